@@ -1,0 +1,26 @@
+"""clipjax: global-norm gradient clipping for JAX, fused on the GPU.
+
+`andrea_clip(max_norm)` is an optax GradientTransformation; on NVIDIA GPUs it
+runs three CUDA kernels in one XLA FFI custom call, elsewhere a pure-JAX twin.
+"""
+
+from clipjax._clip import (
+    AndreaClipState,
+    ClipResult,
+    andrea_clip,
+    clip_state,
+    clip_tree,
+    global_norm,
+)
+from clipjax._ffi import platforms as ffi_platforms
+
+__all__ = [
+    "AndreaClipState",
+    "ClipResult",
+    "andrea_clip",
+    "clip_state",
+    "clip_tree",
+    "ffi_platforms",
+    "global_norm",
+]
+__version__ = "0.1.0"

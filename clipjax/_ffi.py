@@ -1,0 +1,91 @@
+"""The `clipjax_andrea_clip` custom call: native modules, registration, ffi_call.
+
+Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
+-> handlers `AndreaClipCpu`/`AndreaClipCuda` -> XLA target
+`"clipjax_andrea_clip"` -> `clipjax._ffi.andrea_clip`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "clipjax_andrea_clip"
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MODES = {"global": 0, "per_tensor": 1}
+NONFINITE_POLICIES = {"propagate": 0, "zero": 1}
+
+_registered: dict[str, str] = {}  # lowering platform -> native module name
+_load_errors: dict[str, str] = {}
+
+try:
+  from clipjax import _clipjax_cpu
+except ImportError as e:  # an install without the compiled extension
+  _clipjax_cpu = None
+  _load_errors["cpu"] = str(e)
+else:
+  jax.ffi.register_ffi_target(TARGET, _clipjax_cpu.registrations()[TARGET], platform="cpu")
+  _registered["cpu"] = "_clipjax_cpu"
+
+try:
+  from clipjax import _clipjax_cuda
+except ImportError as e:  # built without nvcc, or no CUDA runtime here
+  _clipjax_cuda = None
+  _load_errors["cuda"] = str(e)
+else:
+  jax.ffi.register_ffi_target(TARGET, _clipjax_cuda.registrations()[TARGET], platform="CUDA")
+  _registered["cuda"] = "_clipjax_cuda"
+
+
+def platforms() -> tuple[str, ...]:
+  """Lowering platforms that have a handler for the custom call."""
+  return tuple(sorted(_registered))
+
+
+def has_handler(platform: str) -> bool:
+  return platform.lower() in _registered
+
+
+def missing_handler_message(platform: str) -> str:
+  have = ", ".join(platforms()) or "none"
+  why = _load_errors.get(platform.lower())
+  msg = (f"clipjax: impl='ffi' needs a custom-call handler for platform '{platform}', "
+         f"but handlers are registered only for: {have}. Use impl='jax' or impl='auto'.")
+  if why:
+    msg += f" (loading the {platform} handler failed: {why})"
+  return msg
+
+
+def num_chunks(sizes) -> int:
+  chunk = _clipjax_cpu.CHUNK_ELEMS
+  return sum(max(1, -(-int(n) // chunk)) for n in sizes)
+
+
+def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+  """Runs the three stages on `leaves` in one custom call.
+
+  Returns `(out_leaves, norms, flags)`: `out_leaves` (None when
+  `scale_leaves` is False) are the clipped leaves, aliased to the inputs;
+  `norms` is f32[n + 1] (global norm, then one per leaf); `flags` is
+  int32[2] (clipped, nonfinite).
+  """
+  if _clipjax_cpu is None:
+    raise RuntimeError("clipjax: the native extension is not importable: " + _load_errors["cpu"])
+  n = len(leaves)
+  sizes = [int(np.prod(x.shape)) for x in leaves]
+  workspace = _clipjax_cpu.workspace_bytes(num_chunks(sizes), n)
+  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if scale_leaves else []
+  out_types += [
+      jax.ShapeDtypeStruct((n + 1,), jnp.float32),
+      jax.ShapeDtypeStruct((2,), jnp.int32),
+      jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+  ]
+  aliases = {i + 1: i for i in range(n)} if scale_leaves else {}
+  call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *leaves,
+              mode=np.int64(MODES[mode]), on_nonfinite=np.int64(NONFINITE_POLICIES[on_nonfinite]))
+  if scale_leaves:
+    return list(outs[:n]), outs[n], outs[n + 1]
+  return None, outs[0], outs[1]

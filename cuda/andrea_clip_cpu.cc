@@ -1,0 +1,182 @@
+// CPU twin of the CUDA pipeline: the same three stages over the same chunks,
+// so every test of the custom-call plumbing (variadic leaves, aliasing, the
+// max_norm operand, mixed dtypes, the workspace) runs without a GPU.
+#include "andrea_clip_cpu.h"
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "andrea_clip_common.h"
+#include "andrea_clip_plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace clipjax {
+namespace {
+
+float Bf16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  float mag;
+  if (exp == 0) {
+    mag = std::ldexp(static_cast<float>(man), -24);
+  } else if (exp == 31) {
+    mag = man ? NAN : INFINITY;
+  } else {
+    mag = std::ldexp(static_cast<float>(man | 0x400u), static_cast<int>(exp) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= sign;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const float a = std::fabs(f);
+  if (std::isnan(a)) return sign | 0x7e00u;
+  if (a >= 65520.0f) return sign | 0x7c00u;  // rounds to infinity
+  if (a < 6.103515625e-05f) {               // subnormal range: multiples of 2^-24
+    const float q = std::nearbyint(a * 16777216.0f);  // round half to even
+    return sign | static_cast<uint16_t>(q);
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  float q = std::nearbyint(std::ldexp(m, 11));  // 11 significant bits
+  if (q == 2048.0f) {
+    q = 1024.0f;
+    ++e;
+  }
+  const uint32_t biased = static_cast<uint32_t>(e - 1 + 15);
+  return sign | static_cast<uint16_t>((biased << 10) | (static_cast<uint32_t>(q) - 1024u));
+}
+
+float LoadAsFloat(const void* base, int32_t dtype, int64_t i) {
+  switch (dtype) {
+    case kF32: return static_cast<const float*>(base)[i];
+    case kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    default: return F16ToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+void StoreFromFloat(void* base, int32_t dtype, int64_t i, float v) {
+  switch (dtype) {
+    case kF32: static_cast<float*>(base)[i] = v; break;
+    case kBF16: static_cast<uint16_t*>(base)[i] = FloatToBf16(v); break;
+    default: static_cast<uint16_t*>(base)[i] = FloatToF16(v); break;
+  }
+}
+
+int64_t ElementBytes(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Stage 1 (k_grad_norm_partial on the GPU): one sum of squares per chunk.
+void NormPartial(const ClipCall& call, double* partials, int64_t* leaf_range) {
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const LeafDesc& leaf = call.leaves[i];
+    const int64_t chunks = NumChunks(leaf.num_elements);
+    leaf_range[2 * i] = leaf.chunk_begin;
+    leaf_range[2 * i + 1] = chunks;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t begin = c * kChunkElems;
+      const int64_t end = std::min(begin + kChunkElems, leaf.num_elements);
+      double acc = 0.0;
+      for (int64_t k = begin; k < end; ++k) {
+        const double v = LoadAsFloat(leaf.in, leaf.dtype, k);
+        acc += v * v;
+      }
+      partials[leaf.chunk_begin + c] = acc;
+    }
+  }
+}
+
+// Stage 2 (k_grad_norm_final): per-leaf and global sums, norms and decisions.
+void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
+               double* leaf_sumsq, LeafScale* leaf_scale) {
+  const int64_t n = call.num_leaves;
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    double s = 0.0;
+    for (int64_t c = 0; c < leaf_range[2 * i + 1]; ++c) s += partials[leaf_range[2 * i] + c];
+    leaf_sumsq[i] = s;
+    call.norms[1 + i] = NormFromSumsq(s);
+    total += s;
+  }
+  const float max_norm = *call.max_norm;
+  const bool all_finite = IsFiniteDouble(total);
+  call.norms[0] = NormFromSumsq(total);
+  int32_t clipped = 0;
+  const LeafScale global = DecideScale(total, max_norm, call.zero_nonfinite, all_finite);
+  for (int64_t i = 0; i < n; ++i) {
+    leaf_scale[i] = call.per_tensor
+                        ? DecideScale(leaf_sumsq[i], max_norm, call.zero_nonfinite, all_finite)
+                        : global;
+    clipped |= leaf_scale[i].action != kKeep;
+  }
+  if (n == 0) clipped = global.action != kKeep;
+  call.flags[0] = clipped;
+  call.flags[1] = all_finite ? 0 : 1;
+}
+
+// Stage 3 (k_grad_scale): scale in place; leaves that are kept are not written.
+void Scale(const ClipCall& call, const LeafScale* leaf_scale) {
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const LeafDesc& leaf = call.leaves[i];
+    if (leaf.out != leaf.in && leaf.num_elements > 0) {
+      std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElementBytes(leaf.dtype));
+    }
+    const LeafScale s = leaf_scale[i];
+    if (s.action == kKeep) continue;
+    for (int64_t k = 0; k < leaf.num_elements; ++k) {
+      const float v = s.action == kZeroFill ? 0.0f : LoadAsFloat(leaf.out, leaf.dtype, k) * s.scale;
+      StoreFromFloat(leaf.out, leaf.dtype, k, v);
+    }
+  }
+}
+
+ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets, int64_t mode, int64_t on_nonfinite) {
+  thread_local std::vector<LeafDesc> leaves;
+  ClipCall call;
+  ffi::Error status = DecodeCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
+  if (status.failure()) return status;
+  auto* partials = reinterpret_cast<double*>(call.workspace + call.layout.partials);
+  auto* leaf_range = reinterpret_cast<int64_t*>(call.workspace + call.layout.leaf_range);
+  auto* leaf_sumsq = reinterpret_cast<double*>(call.workspace + call.layout.leaf_sumsq);
+  auto* leaf_scale = reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale);
+  NormPartial(call, partials, leaf_range);
+  NormFinal(call, partials, leaf_range, leaf_sumsq, leaf_scale);
+  if (call.scale_leaves) Scale(call, leaf_scale);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace clipjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCpu, clipjax::AndreaClipCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("on_nonfinite"));

@@ -1,0 +1,350 @@
+// k_grad_norm_partial, k_grad_norm_final and k_grad_scale: the GPU pipeline of
+// the clip. The chunk table reaches the kernels by value as a kernel parameter
+// (no host-to-device copy per call); partial sums go to fixed slots, reduced in
+// a fixed order (no atomics), so results are bit-identical run to run. Squares
+// are accumulated in float64: no overflow or underflow for any f32/bf16/f16.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "andrea_clip_kernels.h"
+
+namespace clipjax {
+namespace {
+
+constexpr int kThreads = 256;       // partial and scale kernels
+constexpr int kFinalThreads = 1024;  // final kernel (one block)
+constexpr int kUnroll = 4;           // 16-byte loads in flight per thread
+
+struct TableEntry {
+  void* data;  // leaf input (partial) or output (scale)
+  int64_t num_elements;
+  int64_t chunk_begin;
+  int32_t leaf;  // index of the leaf in the whole call
+  int32_t dtype;
+};
+
+template <int kCap>
+struct ChunkTable {
+  int64_t chunk_base;  // first chunk of this launch; block b owns chunk_base + b
+  int32_t num_entries;
+  int32_t unused;
+  TableEntry entry[kCap];
+};
+
+// The entry whose chunk range holds global chunk `chunk` (binary search over
+// the parameter table; the index is uniform across the block).
+template <int kCap>
+__device__ __forceinline__ int FindEntry(const ChunkTable<kCap>& t, int64_t chunk) {
+  int lo = 0, hi = t.num_entries - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (t.entry[mid].chunk_begin <= chunk) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ double BlockSum(double v, double* shared) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  v = 0.0;
+  if (warp == 0) {
+    v = lane < warps ? shared[lane] : 0.0;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  }
+  return v;  // valid in thread 0
+}
+
+__device__ __forceinline__ void AddSquare(float x, double& acc) {
+  const double d = x;
+  acc = fma(d, d, acc);
+}
+
+// Squares of one 16-byte vector of leaf elements.
+template <int kDtype>
+__device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (kDtype == kF32) {
+      AddSquare(__uint_as_float(w[k]), (k & 1) ? b : a);
+    } else if (kDtype == kBF16) {
+      AddSquare(__uint_as_float(w[k] << 16), a);
+      AddSquare(__uint_as_float(w[k] & 0xffff0000u), b);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      AddSquare(f.x, a);
+      AddSquare(f.y, b);
+    }
+  }
+}
+
+template <int kDtype>
+__device__ __forceinline__ float LoadScalar(const void* p, int64_t i) {
+  if (kDtype == kF32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (kDtype == kBF16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+template <int kDtype>
+__device__ __forceinline__ void StoreScalar(void* p, int64_t i, float v) {
+  if (kDtype == kF32) {
+    static_cast<float*>(p)[i] = v;
+  } else if (kDtype == kBF16) {
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  }
+}
+
+constexpr int ElemBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Sum of squares of `count` elements at `p` (this block's chunk).
+template <int kDtype>
+__device__ double ChunkSumSquares(const void* p, int64_t count) {
+  constexpr int kVec = 16 / ElemBytes(kDtype);
+  double a = 0.0, b = 0.0;
+  int64_t done = 0;
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+    const uint4* pv = static_cast<const uint4*>(p);
+    const int64_t nvec = count / kVec;
+    int64_t v = threadIdx.x;
+    for (; v + (kUnroll - 1) * kThreads < nvec; v += kUnroll * kThreads) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(pv + v + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) AddSquares<kDtype>(r[u], a, b);
+    }
+    for (; v < nvec; v += kThreads) AddSquares<kDtype>(__ldg(pv + v), a, b);
+    done = nvec * kVec;
+  }
+  for (int64_t k = done + threadIdx.x; k < count; k += kThreads) {
+    AddSquare(LoadScalar<kDtype>(p, k), a);
+  }
+  return a + b;
+}
+
+template <int kDtype>
+__device__ __forceinline__ uint32_t ScalePair(uint32_t w, float s) {
+  if (kDtype == kF32) return __float_as_uint(__uint_as_float(w) * s);
+  if (kDtype == kBF16) {
+    const __nv_bfloat16 lo = __float2bfloat16_rn(__uint_as_float(w << 16) * s);
+    const __nv_bfloat16 hi = __float2bfloat16_rn(__uint_as_float(w & 0xffff0000u) * s);
+    return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+  }
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  const __half2 h = __floats2half2_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Multiplies (or zero-fills) `count` elements at `p` in place.
+template <int kDtype>
+__device__ void ChunkScale(void* p, int64_t count, float s, bool zero) {
+  constexpr int kVec = 16 / ElemBytes(kDtype);
+  int64_t done = 0;
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+    uint4* pv = static_cast<uint4*>(p);
+    const int64_t nvec = count / kVec;
+    if (zero) {
+      for (int64_t v = threadIdx.x; v < nvec; v += kThreads) pv[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      int64_t v = threadIdx.x;
+      for (; v + (kUnroll - 1) * kThreads < nvec; v += kUnroll * kThreads) {
+        uint4 r[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) r[u] = pv[v + u * kThreads];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          r[u].x = ScalePair<kDtype>(r[u].x, s);
+          r[u].y = ScalePair<kDtype>(r[u].y, s);
+          r[u].z = ScalePair<kDtype>(r[u].z, s);
+          r[u].w = ScalePair<kDtype>(r[u].w, s);
+          pv[v + u * kThreads] = r[u];
+        }
+      }
+      for (; v < nvec; v += kThreads) {
+        uint4 r = pv[v];
+        r.x = ScalePair<kDtype>(r.x, s);
+        r.y = ScalePair<kDtype>(r.y, s);
+        r.z = ScalePair<kDtype>(r.z, s);
+        r.w = ScalePair<kDtype>(r.w, s);
+        pv[v] = r;
+      }
+    }
+    done = nvec * kVec;
+  }
+  for (int64_t k = done + threadIdx.x; k < count; k += kThreads) {
+    StoreScalar<kDtype>(p, k, zero ? 0.0f : LoadScalar<kDtype>(p, k) * s);
+  }
+}
+
+template <int kCap>
+__global__ void __launch_bounds__(kThreads)
+    k_grad_norm_partial(const __grid_constant__ ChunkTable<kCap> table, double* partials,
+                        int64_t* leaf_range) {
+  __shared__ double shared[kThreads / 32];
+  const int64_t chunk = table.chunk_base + blockIdx.x;
+  const TableEntry& e = table.entry[FindEntry(table, chunk)];
+  const int64_t local = chunk - e.chunk_begin;
+  const int64_t begin = local * kChunkElems;
+  const int64_t remaining = e.num_elements - begin;
+  const int64_t count = remaining < kChunkElems ? (remaining > 0 ? remaining : 0) : kChunkElems;
+  const char* base = static_cast<const char*>(e.data) + begin * ElemBytes(e.dtype);
+  double acc;
+  if (e.dtype == kF32) acc = ChunkSumSquares<kF32>(base, count);
+  else if (e.dtype == kBF16) acc = ChunkSumSquares<kBF16>(base, count);
+  else acc = ChunkSumSquares<kF16>(base, count);
+  acc = BlockSum(acc, shared);
+  if (threadIdx.x == 0) {
+    partials[chunk] = acc;
+    if (local == 0) {
+      leaf_range[2 * e.leaf] = e.chunk_begin;
+      leaf_range[2 * e.leaf + 1] = NumChunks(e.num_elements);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kFinalThreads)
+    k_grad_norm_final(int64_t num_leaves, const double* partials, const int64_t* leaf_range,
+                      double* leaf_sumsq, LeafScale* leaf_scale, const float* max_norm_ptr,
+                      float* norms, int32_t* flags, bool per_tensor, bool zero_nonfinite) {
+  __shared__ double shared[kFinalThreads / 32];
+  __shared__ double total_shared;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kWarps = kFinalThreads / 32;
+  // Per-leaf sums: one warp per leaf, lanes stride over the leaf's chunks.
+  for (int64_t i = warp; i < num_leaves; i += kWarps) {
+    const int64_t first = leaf_range[2 * i], count = leaf_range[2 * i + 1];
+    double s = 0.0;
+    for (int64_t c = lane; c < count; c += 32) s += partials[first + c];
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+    if (lane == 0) {
+      leaf_sumsq[i] = s;
+      norms[1 + i] = NormFromSumsq(s);
+    }
+  }
+  __syncthreads();
+  double t = 0.0;
+  for (int64_t i = threadIdx.x; i < num_leaves; i += kFinalThreads) t += leaf_sumsq[i];
+  t = BlockSum(t, shared);
+  if (threadIdx.x == 0) total_shared = t;
+  __syncthreads();
+  const double total = total_shared;
+  const float max_norm = *max_norm_ptr;
+  const bool all_finite = IsFiniteDouble(total);
+  const LeafScale global = DecideScale(total, max_norm, zero_nonfinite, all_finite);
+  int clipped = 0;
+  for (int64_t i = threadIdx.x; i < num_leaves; i += kFinalThreads) {
+    const LeafScale s =
+        per_tensor ? DecideScale(leaf_sumsq[i], max_norm, zero_nonfinite, all_finite) : global;
+    leaf_scale[i] = s;
+    clipped |= s.action != kKeep;
+  }
+  clipped = __syncthreads_or(clipped);
+  if (threadIdx.x == 0) {
+    norms[0] = NormFromSumsq(total);
+    flags[0] = clipped;
+    flags[1] = all_finite ? 0 : 1;
+  }
+}
+
+template <int kCap>
+__global__ void __launch_bounds__(kThreads)
+    k_grad_scale(const __grid_constant__ ChunkTable<kCap> table, const LeafScale* leaf_scale) {
+  const int64_t chunk = table.chunk_base + blockIdx.x;
+  const TableEntry& e = table.entry[FindEntry(table, chunk)];
+  const LeafScale s = leaf_scale[e.leaf];
+  if (s.action == kKeep) return;  // an unclipped step writes nothing
+  const int64_t begin = (chunk - e.chunk_begin) * kChunkElems;
+  const int64_t remaining = e.num_elements - begin;
+  if (remaining <= 0) return;
+  const int64_t count = remaining < kChunkElems ? remaining : kChunkElems;
+  char* base = static_cast<char*>(e.data) + begin * ElemBytes(e.dtype);
+  const bool zero = s.action == kZeroFill;
+  if (e.dtype == kF32) ChunkScale<kF32>(base, count, s.scale, zero);
+  else if (e.dtype == kBF16) ChunkScale<kBF16>(base, count, s.scale, zero);
+  else ChunkScale<kF16>(base, count, s.scale, zero);
+}
+
+enum class Stage { kPartial, kScale };
+
+template <int kCap>
+cudaError_t LaunchGroup(const ClipCall& call, int64_t first, int64_t count, Stage stage,
+                        cudaStream_t stream) {
+  ChunkTable<kCap> table;
+  table.chunk_base = call.leaves[first].chunk_begin;
+  table.num_entries = static_cast<int32_t>(count);
+  table.unused = 0;
+  int64_t end_chunk = table.chunk_base;
+  for (int64_t j = 0; j < count; ++j) {
+    const LeafDesc& leaf = call.leaves[first + j];
+    TableEntry& e = table.entry[j];
+    e.data = stage == Stage::kPartial ? const_cast<void*>(leaf.in) : leaf.out;
+    e.num_elements = leaf.num_elements;
+    e.chunk_begin = leaf.chunk_begin;
+    e.leaf = static_cast<int32_t>(first + j);
+    e.dtype = leaf.dtype;
+    end_chunk = leaf.chunk_begin + NumChunks(leaf.num_elements);
+  }
+  const int64_t blocks = end_chunk - table.chunk_base;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  uint8_t* ws = call.workspace;
+  if (stage == Stage::kPartial) {
+    k_grad_norm_partial<kCap><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        table, reinterpret_cast<double*>(ws + call.layout.partials),
+        reinterpret_cast<int64_t*>(ws + call.layout.leaf_range));
+  } else {
+    k_grad_scale<kCap><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        table, reinterpret_cast<const LeafScale*>(ws + call.layout.leaf_scale));
+  }
+  return cudaGetLastError();
+}
+
+// Launches one stage over all leaves, in groups that fit a parameter table;
+// a small table is used when few leaves remain, so launches stay cheap.
+cudaError_t LaunchStage(const ClipCall& call, Stage stage, cudaStream_t stream) {
+  for (int64_t first = 0; first < call.num_leaves; first += kMaxLeavesPerLaunch) {
+    const int64_t left = call.num_leaves - first;
+    const int64_t count = left < kMaxLeavesPerLaunch ? left : kMaxLeavesPerLaunch;
+    cudaError_t err;
+    if (count <= 32) err = LaunchGroup<32>(call, first, count, stage, stream);
+    else if (count <= 256) err = LaunchGroup<256>(call, first, count, stage, stream);
+    else err = LaunchGroup<kMaxLeavesPerLaunch>(call, first, count, stage, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
+  cudaError_t err = LaunchStage(call, Stage::kPartial, stream);
+  if (err != cudaSuccess) return err;
+  uint8_t* ws = call.workspace;
+  k_grad_norm_final<<<1, kFinalThreads, 0, stream>>>(
+      call.num_leaves, reinterpret_cast<const double*>(ws + call.layout.partials),
+      reinterpret_cast<const int64_t*>(ws + call.layout.leaf_range),
+      reinterpret_cast<double*>(ws + call.layout.leaf_sumsq),
+      reinterpret_cast<LeafScale*>(ws + call.layout.leaf_scale), call.max_norm, call.norms,
+      call.flags, call.per_tensor, call.zero_nonfinite);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !call.scale_leaves) return err;
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const LeafDesc& leaf = call.leaves[i];
+    if (leaf.out != leaf.in && leaf.num_elements > 0) {
+      err = cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * (leaf.dtype == kF32 ? 4 : 2),
+                            cudaMemcpyDeviceToDevice, stream);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return LaunchStage(call, Stage::kScale, stream);
+}
+
+}  // namespace clipjax

@@ -1,0 +1,27 @@
+// The three CUDA kernels of `andrea_clip` and the host function that enqueues
+// them. The launcher takes a decoded call (see andrea_clip_common.h): leaf
+// pointers and sizes on the host, every other pointer in device memory. It
+// never synchronises and never allocates; it returns the first launch error.
+#ifndef CLIPJAX_ANDREA_CLIP_KERNELS_H_
+#define CLIPJAX_ANDREA_CLIP_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include "andrea_clip_common.h"
+
+namespace clipjax {
+
+// Enqueues on `stream`:
+//   k_grad_norm_partial  one block per chunk of every leaf -> partials
+//                        (one launch per group of up to kMaxLeavesPerLaunch)
+//   k_grad_norm_final    one block: per-leaf and global sums, norms, decisions
+//   k_grad_scale         one block per chunk; blocks of kept leaves exit at once
+cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream);
+
+// Leaves described in one kernel parameter table (passed by value; CUDA 12.1+
+// allows kernel parameters up to 32 KB).
+constexpr int kMaxLeavesPerLaunch = 1000;
+
+}  // namespace clipjax
+
+#endif  // CLIPJAX_ANDREA_CLIP_KERNELS_H_

@@ -1,0 +1,123 @@
+// Host-side decoding of one `clipjax_andrea_clip` custom call, shared by the
+// CPU and CUDA handlers: the variadic leaf buffers become a flat list of
+// LeafDesc with their chunk offsets, and every buffer is checked.
+//
+// Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}.
+// Results:  [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the
+//           call only computes the norm), norms f32[n + 1] (global norm, then
+//           one norm per leaf), flags s32[2] (clipped, nonfinite),
+//           workspace u8[workspace_bytes(num_chunks, n)].
+#ifndef CLIPJAX_ANDREA_CLIP_PLAN_H_
+#define CLIPJAX_ANDREA_CLIP_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "andrea_clip_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace clipjax {
+
+namespace ffi = xla::ffi;
+
+inline bool ToLeafDtype(ffi::DataType t, int32_t* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = kF32; return true;
+    case ffi::DataType::BF16: *out = kBF16; return true;
+    case ffi::DataType::F16: *out = kF16; return true;
+    default: return false;
+  }
+}
+
+inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
+                             const ffi::RemainingRets& rets, int64_t mode,
+                             int64_t on_nonfinite, std::vector<LeafDesc>* leaves,
+                             ClipCall* call) {
+  if (mode != kModeGlobal && mode != kModePerTensor) {
+    return ffi::Error::InvalidArgument("clipjax: mode must be 0 (global) or 1 (per_tensor), got " +
+                                       std::to_string(mode));
+  }
+  if (on_nonfinite != kPropagate && on_nonfinite != kZero) {
+    return ffi::Error::InvalidArgument(
+        "clipjax: on_nonfinite must be 0 (propagate) or 1 (zero), got " +
+        std::to_string(on_nonfinite));
+  }
+  if (max_norm.element_type() != ffi::DataType::F32 || max_norm.element_count() != 1) {
+    return ffi::Error::InvalidArgument("clipjax: max_norm must be a float32 scalar");
+  }
+  const int64_t n = static_cast<int64_t>(args.size());
+  const int64_t num_rets = static_cast<int64_t>(rets.size());
+  if (num_rets != n + 3 && num_rets != 3) {
+    return ffi::Error::InvalidArgument("clipjax: expected " + std::to_string(n + 3) + " or 3 results for " +
+                                       std::to_string(n) + " leaves, got " + std::to_string(num_rets));
+  }
+  call->scale_leaves = num_rets == n + 3;
+  call->per_tensor = mode == kModePerTensor;
+  call->zero_nonfinite = on_nonfinite == kZero;
+  call->max_norm = static_cast<const float*>(max_norm.untyped_data());
+  leaves->clear();
+  leaves->reserve(n);
+
+  int64_t chunk = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto leaf = args.get<ffi::AnyBuffer>(i);
+    if (!leaf.has_value()) return leaf.error();
+    LeafDesc d;
+    if (!ToLeafDtype(leaf->element_type(), &d.dtype)) {
+      return ffi::Error::InvalidArgument("clipjax: leaf " + std::to_string(i) +
+                                         " has an unsupported element type (supported: "
+                                         "float32, bfloat16, float16)");
+    }
+    d.in = leaf->untyped_data();
+    d.num_elements = static_cast<int64_t>(leaf->element_count());
+    d.chunk_begin = chunk;
+    d.out = nullptr;
+    if (call->scale_leaves) {
+      auto out = rets.get<ffi::AnyBuffer>(i);
+      if (!out.has_value()) return out.error();
+      if ((*out)->element_type() != leaf->element_type() ||
+          static_cast<int64_t>((*out)->element_count()) != d.num_elements) {
+        return ffi::Error::InvalidArgument("clipjax: result " + std::to_string(i) +
+                                           " does not match the type and size of leaf " +
+                                           std::to_string(i));
+      }
+      d.out = (*out)->untyped_data();
+    }
+    chunk += NumChunks(d.num_elements);
+    leaves->push_back(d);
+  }
+  call->leaves = leaves->data();
+  call->num_leaves = n;
+  call->num_chunks = chunk;
+  call->layout = MakeWorkspaceLayout(chunk, n);
+
+  const int64_t first = call->scale_leaves ? n : 0;
+  auto norms = rets.get<ffi::AnyBuffer>(first);
+  auto flags = rets.get<ffi::AnyBuffer>(first + 1);
+  auto workspace = rets.get<ffi::AnyBuffer>(first + 2);
+  if (!norms.has_value()) return norms.error();
+  if (!flags.has_value()) return flags.error();
+  if (!workspace.has_value()) return workspace.error();
+  if ((*norms)->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>((*norms)->element_count()) != n + 1) {
+    return ffi::Error::InvalidArgument("clipjax: the norms result must be float32[" +
+                                       std::to_string(n + 1) + "]");
+  }
+  if ((*flags)->element_type() != ffi::DataType::S32 || (*flags)->element_count() != 2) {
+    return ffi::Error::InvalidArgument("clipjax: the flags result must be int32[2]");
+  }
+  if ((*workspace)->element_type() != ffi::DataType::U8 ||
+      static_cast<int64_t>((*workspace)->element_count()) < call->layout.total_bytes) {
+    return ffi::Error::InvalidArgument("clipjax: the workspace result must be uint8[>= " +
+                                       std::to_string(call->layout.total_bytes) + "]");
+  }
+  call->norms = static_cast<float*>((*norms)->untyped_data());
+  call->flags = static_cast<int32_t*>((*flags)->untyped_data());
+  call->workspace = static_cast<uint8_t*>((*workspace)->untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace clipjax
+
+#endif  // CLIPJAX_ANDREA_CLIP_PLAN_H_

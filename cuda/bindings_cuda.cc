@@ -1,0 +1,14 @@
+// Python module `clipjax._clipjax_cuda`: hands the CUDA handler to JAX.
+#include <nanobind/nanobind.h>
+
+#include "andrea_clip_cuda.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_clipjax_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["clipjax_andrea_clip"] = nb::capsule(reinterpret_cast<void*>(AndreaClipCuda));
+    return d;
+  });
+}
