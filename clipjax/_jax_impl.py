@@ -23,27 +23,36 @@ def _as_f32(x):
   return x.astype(_F32)
 
 
-def _mul_pow2(x, k):
-  """x * 2**k for integer k in [-300, 300] without overflowing 2**k itself."""
-  a = k // 2
-  return x * jnp.ldexp(_F32(1), a) * jnp.ldexp(_F32(1), k - a)
+def _pow2(k):
+  """2.0**k as float32 for integer k, built from its bits; 0 below 2**-126."""
+  k = jnp.asarray(k, jnp.int32)
+  bits = (jnp.clip(k, -126, 127) + 127) << 23
+  return jnp.where(k < -126, _F32(0), lax.bitcast_convert_type(bits, _F32))
 
 
-def _leaf_exponent(x32):
-  """e with max|x| * 2**-e in [0.5, 1); 0 for an all-zero or empty leaf."""
-  amax = jnp.max(jnp.abs(x32), initial=_F32(0)) if x32.size else _F32(0)
-  _, e = jnp.frexp(amax)
-  return jnp.where(jnp.isfinite(amax), e, 0).astype(jnp.int32), amax
+def _exponent(amax):
+  """e with amax * 2**-e below 1 and, for normal amax, at least 0.5."""
+  biased = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+  return jnp.where((biased == 0) | (biased == 0xFF), -126, biased - 126)
 
 
-def _rescaled_norms(leaves32):
-  """Per-leaf and global norms from leaves rescaled by powers of two."""
-  exps = [_leaf_exponent(x)[0] for x in leaves32]
-  sums = [jnp.sum(jnp.square(_mul_pow2(x, -e))) for x, e in zip(leaves32, exps)]
-  leaf_norms = [_mul_pow2(jnp.sqrt(s), e) for s, e in zip(sums, exps)]
-  top = jnp.max(jnp.stack(exps))
-  total = sum(s * _mul_pow2(_F32(1), 2 * (e - top)) for s, e in zip(sums, exps))
-  return _mul_pow2(jnp.sqrt(total), top), jnp.stack(leaf_norms)
+def _rescaled_norms(leaves32, per_leaf=True):
+  """Per-leaf and global norms from leaves rescaled by powers of two.
+
+  Each leaf is multiplied by 2**-e (e from its largest magnitude, or the
+  largest of all leaves when not `per_leaf`), so its squares neither overflow
+  nor underflow where it matters; the exponents are put back at the end.
+  """
+  amax = jnp.stack([jnp.max(jnp.abs(x), initial=_F32(0)) for x in leaves32])
+  exps = _exponent(amax)
+  if not per_leaf:
+    exps = jnp.full_like(exps, jnp.max(exps))
+  sums = jnp.stack([jnp.sum(jnp.square(x * _pow2(-exps[i]))) for i, x in enumerate(leaves32)])
+  unscale = lambda v, e: v * _pow2(e // 2) * _pow2(e - e // 2)
+  leaf_norms = unscale(jnp.sqrt(sums), exps)
+  top = jnp.max(exps)
+  total = jnp.sum(sums * _pow2(2 * (exps - top)))
+  return unscale(jnp.sqrt(total), top), leaf_norms
 
 
 def _fast_norms(leaves32):
@@ -64,8 +73,8 @@ def norms(leaves, *, per_leaf_exact: bool):
   sums = jnp.stack([jnp.sum(jnp.square(x)) for x in leaves32])
   total = jnp.sum(sums)
   fast_ok = jnp.isfinite(total) & (total >= _FAST_SUMSQ_MIN)
-  return lax.cond(fast_ok, lambda xs: (jnp.sqrt(total), jnp.sqrt(sums)), _rescaled_norms,
-                  leaves32)
+  return lax.cond(fast_ok, lambda xs: (jnp.sqrt(total), jnp.sqrt(sums)),
+                  lambda xs: _rescaled_norms(xs, per_leaf=False), leaves32)
 
 
 def _scale_leaf(x, scale, keep, zero_fill):

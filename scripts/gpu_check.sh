@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds clipjax for sm_90 on a CUDA machine, runs the GPU tests, the CUDA
+# sanitizers and (optionally) the benchmark, and prints a summary.
+#
+#   scripts/gpu_check.sh                  # build, tests, sanitizers
+#   STAGES=build,test,bench scripts/gpu_check.sh
+#
+# Logs go to $LOG_DIR (default: ./gpu_check_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-build,test,sanitize}
+LOG_DIR=${LOG_DIR:-${OUT:-./gpu_check_logs}}
+PY=${PYTHON:-python3}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+declare -a SUMMARY=()
+status=0
+
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+record() {  # name, exit code, log
+  local verdict=PASS; [[ $2 -ne 0 ]] && { verdict="FAIL($2)"; status=1; }
+  SUMMARY+=("$(printf '%-28s %-9s %s' "$1" "$verdict" "$3")")
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  nvcc --version | tail -n 2
+  $PY -c "import jax, jaxlib, optax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__); print(jax.devices())"
+} 2>&1 | tee "$LOG_DIR/env.txt"
+
+if has build; then
+  $PY -m pip install --no-build-isolation --no-deps -v -e . \
+    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 > "$LOG_DIR/build.log" 2>&1
+  rc=$?
+  grep -E "ptxas|registers|spill|warning" "$LOG_DIR/build.log" | head -40
+  record build $rc build.log
+  [[ $rc -ne 0 ]] && { tail -40 "$LOG_DIR/build.log"; }
+  $PY -c "import clipjax; print('ffi platforms:', clipjax.ffi_platforms())" 2>&1 | tee -a "$LOG_DIR/env.txt"
+fi
+
+if has test; then
+  $PY -m pytest -q -ra tests/test_gpu.py tests/test_andrea_clip.py 2>&1 | tee "$LOG_DIR/pytest_gpu.log"
+  record "pytest (GPU)" "${PIPESTATUS[0]}" pytest_gpu.log
+fi
+
+if has sanitize; then
+  # The platform allocator gives every buffer its own cudaMalloc, so an
+  # out-of-bounds access is seen instead of landing inside XLA's arena.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
+  SAN_TESTS=(tests/test_gpu.py -k "reference or nonfinite or per_tensor or unclipped")
+  compute-sanitizer --tool memcheck --leak-check no --print-limit 20 --error-exitcode 9 \
+    $PY -m pytest -q -x -p no:cacheprovider "${SAN_TESTS[@]}" > "$LOG_DIR/memcheck.log" 2>&1
+  rc=$?; tail -n 5 "$LOG_DIR/memcheck.log"; record "compute-sanitizer memcheck" $rc memcheck.log
+  compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 9 \
+    $PY -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "odd_sizes or mixed" \
+    > "$LOG_DIR/racecheck.log" 2>&1
+  rc=$?; tail -n 5 "$LOG_DIR/racecheck.log"; record "compute-sanitizer racecheck" $rc racecheck.log
+  unset XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_ALLOCATOR
+fi
+
+if has bench; then
+  $PY benchmarks/bench_clip.py --out "$LOG_DIR/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench.log"
+  record benchmark "${PIPESTATUS[0]}" bench.log
+fi
+
+echo
+echo "== gpu_check summary =="
+printf '%s\n' "${SUMMARY[@]}"
+exit $status

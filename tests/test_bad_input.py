@@ -1,0 +1,87 @@
+"""Bad input gets a clear error that names the problem, never a crash."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+from clipjax import _ffi
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, float("nan"), float("inf"), -float("inf"), True])
+def test_max_norm_must_be_finite_and_positive(max_norm):
+  with pytest.raises(ValueError, match="max_norm"):
+    clipjax.andrea_clip(max_norm)
+
+
+@pytest.mark.parametrize("max_norm", ["1.0", [1.0, 2.0], None])
+def test_max_norm_must_be_a_scalar_number(max_norm):
+  with pytest.raises(ValueError, match="max_norm"):
+    clipjax.andrea_clip(max_norm)
+
+
+def test_max_norm_may_be_a_jax_scalar():
+  tx = clipjax.andrea_clip(jnp.float32(2.0), impl="ffi")
+  out, _ = tx.update({"g": jnp.array([3.0, 4.0])}, tx.init({"g": jnp.zeros(2)}))
+  np.testing.assert_allclose(out["g"], [1.2, 1.6], rtol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs,word", [({"impl": "cuda"}, "impl"), ({"mode": "layer"}, "mode"),
+                                         ({"on_nonfinite": "skip"}, "on_nonfinite")])
+def test_unknown_options_are_rejected(kwargs, word):
+  with pytest.raises(ValueError, match=word):
+    clipjax.andrea_clip(1.0, **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["jax", "ffi", "auto"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_integer_and_bool_leaves_name_the_leaf(impl, dtype):
+  tree = {"layer": {"w": jnp.ones(3), "step": jnp.ones(3, dtype)}}
+  tx = clipjax.andrea_clip(1.0, impl=impl)
+  with pytest.raises(TypeError, match=r"\['layer'\]\['step'\].*" + jnp.dtype(dtype).name):
+    tx.update(tree, tx.init(tree))
+  with pytest.raises(TypeError, match=r"\['layer'\]\['step'\]"):
+    clipjax.global_norm(tree, impl=impl)
+
+
+def test_non_array_leaf_names_the_leaf():
+  with pytest.raises(TypeError, match=r"\[1\].*str"):
+    clipjax.global_norm([jnp.ones(2), "grad"])
+
+
+def test_python_float_leaves_are_accepted():
+  np.testing.assert_allclose(float(clipjax.global_norm([3.0, 4.0], impl="ffi")), 5.0)
+
+
+def test_ffi_on_a_platform_without_handler_says_which_have_one(monkeypatch):
+  monkeypatch.delitem(_ffi._registered, "cpu")
+  with pytest.raises(RuntimeError, match=r"platform 'cpu'.*registered only for: cuda|none"):
+    clipjax.clip_tree({"g": jnp.ones(3)}, 1.0, impl="ffi")
+  # auto and jax still work there
+  clipjax.clip_tree({"g": jnp.ones(3)}, 1.0, impl="auto")
+  clipjax.clip_tree({"g": jnp.ones(3)}, 1.0, impl="jax")
+
+
+def test_ffi_rejects_complex_leaves_by_name_but_auto_handles_them():
+  tree = {"z": jnp.array([3.0 + 4.0j, 0.0])}
+  with pytest.raises(TypeError, match=r"\['z'\].*complex64"):
+    clipjax.clip_tree(tree, 1.0, impl="ffi")
+  res = clipjax.clip_tree(tree, 1.0, impl="auto")
+  np.testing.assert_allclose(float(res.global_norm), 5.0, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(res.updates["z"]), [0.6 + 0.8j, 0.0], rtol=1e-6)
+
+
+def test_clip_state_without_andrea_clip_is_a_clear_error():
+  tx = optax.adamw(1e-3)
+  with pytest.raises(ValueError, match="no AndreaClipState"):
+    clipjax.clip_state(tx.init({"w": jnp.ones(2)}))
+
+
+def test_clip_state_finds_the_state_inside_wrappers():
+  params = {"w": jnp.ones(2)}
+  tx = optax.chain(optax.inject_hyperparams(clipjax.andrea_clip)(max_norm=1.0), optax.adam(1e-3))
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state, params)
+  assert float(clipjax.clip_state(state).global_norm) == 5.0

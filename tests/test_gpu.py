@@ -1,0 +1,188 @@
+"""The CUDA custom call on a GPU: the same specification, plus what only a GPU
+can show (huge leaves, thousands of leaves, run-to-run bit identity). Skipped,
+with the reason, where no CUDA device or no CUDA handler is present."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+from clipjax import _ffi
+from conftest import f64_norm, has_cuda, random_tree
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not has_cuda(), reason="no CUDA device visible to JAX"),
+    pytest.mark.skipif(not _ffi.has_handler("cuda"),
+                       reason="clipjax was built without the CUDA custom call (no nvcc)"),
+]
+
+
+def gpt_shapes(vocab=8449, d=768, layers=12, ctx=1024):
+  shapes = [(vocab, d), (ctx, d)]
+  for _ in range(layers):
+    shapes += [(d,), (d,)]                      # ln1
+    shapes += [(d, d), (d,)] * 4                # q, k, v, o
+    shapes += [(d,), (d,)]                      # ln2
+    shapes += [(d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+  shapes += [(d,), (d,), (d, vocab)]            # final ln, lm head
+  return shapes
+
+
+TREES = {
+    "gpt12m_f32": lambda k: random_tree(k, gpt_shapes(d=384, layers=6), jnp.float32, 0.01),
+    "gpt12m_bf16": lambda k: random_tree(k, gpt_shapes(d=384, layers=6), jnp.bfloat16, 0.01),
+    "one_leaf": lambda k: random_tree(k, [(1234567,)], jnp.float32, 1.0),
+    "five_thousand_leaves": lambda k: random_tree(
+        k, [((i * 7919) % 300,) for i in range(5000)], jnp.float32, 1.0),
+    "odd_sizes": lambda k: random_tree(
+        k, [(1,), (3,), (7,), (32767,), (32769,), (65535,), (0,), (5, 0), (99991,)],
+        jnp.float16, 1.0),
+    "mixed": lambda k: {"f32": random_tree(k, [(1000, 3)], jnp.float32),
+                        "bf16": random_tree(k, [(33333,)], jnp.bfloat16),
+                        "f16": random_tree(k, [(4097,)], jnp.float16)},
+    "huge_values": lambda k: random_tree(k, [(100000,), (17,)], jnp.float32, 1e30),
+    "tiny_values": lambda k: random_tree(k, [(100000,), (17,)], jnp.float32, 1e-30),
+    "bf16_huge_values": lambda k: random_tree(k, [(4099,)], jnp.bfloat16, 1e36),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_norm_matches_float64_reference(name):
+  tree = TREES[name](jax.random.key(len(name)))
+  ref = f64_norm(tree)
+  got = float(jax.jit(lambda t: clipjax.global_norm(t, impl="ffi"))(tree))
+  np.testing.assert_allclose(got, ref, rtol=1e-6)
+  res = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="auto"))(tree)
+  np.testing.assert_allclose(float(res.global_norm), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_outputs_match_pure_jax_within_one_ulp_of_the_scale(name):
+  tree = TREES[name](jax.random.key(7 + len(name)))
+  tree = jax.tree.map(lambda x: x * 50 if x.dtype != jnp.float16 else x, tree)
+  a = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi"))(tree)
+  b = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax"))(tree)
+  assert bool(a.clipped) == bool(b.clipped)
+  np.testing.assert_allclose(float(a.global_norm), float(b.global_norm), rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(a.updates), jax.tree.leaves(b.updates)):
+    assert x.dtype == y.dtype
+    ulp = float(jnp.finfo(x.dtype).eps)
+    # float32 leaves: one ulp of the scale; 16-bit leaves: the rounding of the
+    # product to the leaf type may then differ by one ulp of that type.
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               rtol=max(2.4e-7, ulp), atol=1e-30)
+
+
+def test_gpt120m_clip_matches_reference_and_optax():
+  tree = random_tree(jax.random.key(0), gpt_shapes(), jnp.float32, 0.01)
+  ref = f64_norm(tree)
+  res = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="auto"))(tree)
+  np.testing.assert_allclose(float(res.global_norm), ref, rtol=1e-6)
+  opt = optax.clip_by_global_norm(1.0)
+  expected, _ = jax.jit(opt.update)(tree, opt.init(tree))
+  for x, y in zip(jax.tree.leaves(res.updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-12)
+
+
+def test_unclipped_step_is_bit_for_bit():
+  tree = random_tree(jax.random.key(1), gpt_shapes(d=384, layers=6), jnp.bfloat16, 1e-5)
+  res = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi"))(tree)
+  assert not bool(res.clipped)
+  for x, y in zip(jax.tree.leaves(res.updates), jax.tree.leaves(tree)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+
+
+def test_leaf_larger_than_2_to_the_31_elements():
+  n = 2**31 + 3
+  # ones, with distinct values at both ends: sum of squares known exactly.
+  x = jnp.ones((n,), jnp.bfloat16).at[0].set(3.0).at[n - 3:].set(2.0)
+  expected = math.sqrt((n - 4) * 1.0 + 9.0 + 3 * 4.0)
+  f = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi"), donate_argnums=0)
+  res = f({"x": x})
+  np.testing.assert_allclose(float(res.global_norm), expected, rtol=1e-7)
+  out = res.updates["x"]
+  scale = np.float32(1.0) / np.float32(expected)
+  bf16 = jnp.bfloat16
+  for i, v in [(0, 3.0), (1, 1.0), (2**31 - 1, 1.0), (2**31, 1.0), (n - 4, 1.0), (n - 1, 2.0)]:
+    want = np.asarray(jnp.asarray(np.float32(v) * scale, jnp.float32).astype(bf16), np.float32)
+    assert float(out[i].astype(jnp.float32)) == float(want), i
+  del out, res
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite(bad):
+  tree = random_tree(jax.random.key(2), [(70000,), (100,)], jnp.float32)
+  tree["p0"] = tree["p0"].at[65536].set(bad)
+  prop = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi"))(tree)
+  ref_tx = optax.clip_by_global_norm(1.0)
+  ref, _ = ref_tx.update(tree, ref_tx.init(tree))
+  for x, y in zip(jax.tree.leaves(prop.updates), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(x, y)
+  zero = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi", on_nonfinite="zero"))(tree)
+  assert bool(zero.nonfinite)
+  for x in jax.tree.leaves(zero.updates):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint32), 0)
+
+
+def test_per_tensor_mode_matches_pure_jax():
+  tree = random_tree(jax.random.key(3), [(50000,), (300,), (7, 7)], jnp.float32, 0.02)
+  a = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi", mode="per_tensor"))(tree)
+  b = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax", mode="per_tensor"))(tree)
+  np.testing.assert_allclose(np.array(a.leaf_norms), np.array(b.leaf_norms), rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(a.updates), jax.tree.leaves(b.updates)):
+    np.testing.assert_allclose(x, y, rtol=2.4e-7)
+
+
+def test_hundred_runs_are_bit_identical():
+  tree = random_tree(jax.random.key(4), gpt_shapes(d=384, layers=6), jnp.bfloat16, 0.05)
+  f = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi"))
+  first = f(tree)
+  first_bits = [np.asarray(x).view(np.uint16) for x in jax.tree.leaves(first.updates)]
+  norm_bits = np.asarray(first.global_norm).view(np.uint32)
+  for _ in range(100):
+    again = f(tree)
+    assert np.asarray(again.global_norm).view(np.uint32) == norm_bits
+  for x, bits in zip(jax.tree.leaves(again.updates), first_bits):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint16), bits)
+
+
+def test_donated_adamw_chain_step_matches_pure_jax():
+  shapes = gpt_shapes(d=384, layers=2, vocab=1000, ctx=128)
+  params = random_tree(jax.random.key(5), shapes, jnp.float32, 0.02)
+
+  def run(impl):
+    tx = optax.chain(clipjax.andrea_clip(1.0, impl=impl), optax.adamw(3e-4, weight_decay=0.1))
+
+    @jax.jit
+    def grads_of(p, i):
+      return jax.tree.map(lambda x: jnp.sin(x * (i + 1.0)) * 0.3, p)
+
+    def step(p, s, i):
+      u, s = tx.update(grads_of(p, i), s, p)
+      return optax.apply_updates(p, u), s
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    p = jax.tree.map(jnp.copy, params)
+    s = tx.init(p)
+    norms = []
+    for i in range(20):
+      p, s = step(p, s, float(i))
+      norms.append(float(clipjax.clip_state(s).global_norm))
+    return p, np.array(norms)
+
+  p_ffi, n_ffi = run("ffi")
+  p_jax, n_jax = run("jax")
+  np.testing.assert_allclose(n_ffi, n_jax, rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(p_ffi), jax.tree.leaves(p_jax)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_auto_lowers_to_the_custom_call_on_cuda():
+  tree = random_tree(jax.random.key(6), [(100,)], jnp.float32)
+  text = jax.jit(lambda t: clipjax.clip_tree(t, 1.0)).lower(tree).as_text()
+  assert "clipjax_andrea_clip" in text
