@@ -1,0 +1,184 @@
+"""Every setting of a training run, its defaults per config and recipe, and the flags.
+
+A TrainConfig field left None is filled by `resolve`: from the recipe first (RECIPES),
+then from the config's preset (PRESETS); an explicit value always wins. The andrea
+presets follow the ANDREA documents (peak lr 3e-4, a 2000-step warmup, so step 1 has lr
+1.5e-7); `tiny` uses a higher peak and a short warmup so it learns within minutes on a
+CPU.
+"""
+
+import argparse
+import dataclasses
+import os
+
+import numpy as np
+
+import bandit
+import corpus
+import model as model_lib
+import tokenizer as tokenizer_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  config: str = "tiny"
+  recipe: str = "v2"
+  # None: from the recipe (RECIPES), else from the config's preset (PRESETS).
+  steps: int | None = None
+  batch_size: int | None = None
+  context_length: int | None = None
+  peak_lr: float | None = None
+  warmup_steps: int | None = None
+  weight_decay: float | None = None
+  max_norm: float | None = None  # <= 0: no clipping
+  checkpoint_every: int | None = None
+  end_lr_ratio: float = 0.1  # the cosine decay ends at peak_lr * end_lr_ratio
+  clip_impl: str = "auto"
+  clip_mode: str = "global"
+  dtype: str = "float32"
+  vocab_size: int = model_lib.ANDREA_VOCAB_SIZE
+  seed: int = 0
+  sources: tuple[str, ...] = ()  # "NAME=PATH_OR_GLOB"; unnamed sources use the default
+  max_source_mb: float = 16.0
+  bandit_config: bandit.BanditConfig = bandit.BanditConfig()
+  out_dir: str | None = None  # default: runs/CONFIG-RECIPE
+  cache_dir: str | None = None  # default: ~/.cache/clipjax
+  resume: bool = False
+  stop_after_step: int | None = None  # end this run early, as if interrupted
+  num_samples: int = 3
+  sample_tokens: int = 96
+  sample_temperature: float = 0.8
+  plot: bool = True
+  progress: bool = True
+
+
+PRESETS = {
+    "tiny": dict(steps=300, batch_size=16, context_length=128, peak_lr=3e-3,
+                 warmup_steps=30, checkpoint_every=100),
+    "andrea-12m": dict(steps=10_000, batch_size=64, context_length=512, peak_lr=3e-4,
+                       warmup_steps=2000, checkpoint_every=1000),
+    "andrea-120m": dict(steps=10_000, batch_size=16, context_length=1024, peak_lr=3e-4,
+                        warmup_steps=2000, checkpoint_every=1000),
+}
+RECIPES = {
+    "v2": dict(max_norm=1.0, weight_decay=0.1),
+    "v1": dict(max_norm=0.0, weight_decay=0.0, warmup_steps=0),
+}
+CHOICES = {"config": tuple(PRESETS), "recipe": tuple(RECIPES),
+           "clip_impl": ("auto", "jax", "ffi"), "clip_mode": ("global", "per_tensor"),
+           "dtype": ("float32", "bfloat16")}
+# Settings a resumed run must share with the checkpoint for its losses to be the same.
+RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "peak_lr",
+                "warmup_steps", "weight_decay", "max_norm", "end_lr_ratio", "clip_mode",
+                "dtype", "vocab_size", "seed", "bandit_config")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot be used; the message names the flag."""
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+  """Fills the None fields from the recipe and the preset, and checks every setting."""
+  for field, choices in CHOICES.items():
+    if getattr(cfg, field) not in choices:
+      raise ConfigError(f"--{field.replace('_', '-')} {getattr(cfg, field)!r}: "
+                        f"choose one of {', '.join(choices)}")
+  filled = {**PRESETS[cfg.config], **RECIPES[cfg.recipe]}
+  filled = {k: v for k, v in filled.items() if getattr(cfg, k) is None}
+  filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
+  filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
+  cfg = dataclasses.replace(cfg, **filled)
+  positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
+              "sample_tokens")
+  for field in positive:
+    if not getattr(cfg, field) > 0:
+      raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
+  for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
+    if getattr(cfg, field) < 0:
+      raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, got {getattr(cfg, field)}")
+  if cfg.context_length < 2:
+    raise ConfigError(f"--context-length must be >= 2, got {cfg.context_length}")
+  if cfg.vocab_size < 257:  # the 256 byte tokens and the end-of-text token
+    raise ConfigError(f"--vocab-size must be >= 257, got {cfg.vocab_size}")
+  if cfg.stop_after_step is not None and not 1 <= cfg.stop_after_step <= cfg.steps:
+    raise ConfigError(f"--stop-after-step must be in [1, {cfg.steps}], "
+                      f"got {cfg.stop_after_step}")
+  try:
+    bandit.weights_from_rewards(np.zeros(len(corpus.SOURCE_NAMES)), cfg.bandit_config)
+  except ValueError as e:
+    raise ConfigError(f"--bandit-floor: {e}") from None
+  if not 0 <= cfg.bandit_config.smoothing < 1:
+    raise ConfigError(f"--bandit-smoothing must be in [0, 1), got {cfg.bandit_config.smoothing}")
+  return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, TrainConfig]:
+  d = TrainConfig()
+  presets = "\n".join(f"  {name}: " + ", ".join(f"{k} {v:g}" for k, v in preset.items())
+                      for name, preset in PRESETS.items())
+  recipes = "\n".join(f"  {name}: " + ", ".join(f"{k} {v:g}" for k, v in recipe.items())
+                      for name, recipe in RECIPES.items())
+  p = argparse.ArgumentParser(
+      description="Trains the Flax GPT example with andrea_clip ahead of AdamW.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=f"settings marked * come from the recipe, else the config:\n{recipes}\n"
+             f"{presets}")
+  p.add_argument("--config", default=d.config, choices=CHOICES["config"],
+                 help="model size (default: %(default)s)")
+  p.add_argument("--recipe", default=d.recipe, choices=CHOICES["recipe"],
+                 help="v2: clip + AdamW + warmup; v1: no clip, Adam, no warmup "
+                      "(default: %(default)s)")
+  p.add_argument("--steps", type=int, help="*")
+  p.add_argument("--batch-size", type=int, help="*")
+  p.add_argument("--context-length", type=int, help="*")
+  p.add_argument("--peak-lr", type=float, help="*")
+  p.add_argument("--warmup-steps", type=int, help="* linear warmup; step 1 gets peak / this")
+  p.add_argument("--end-lr-ratio", type=float, default=d.end_lr_ratio,
+                 help="the cosine decay ends at peak-lr * this (default: %(default)s)")
+  p.add_argument("--weight-decay", type=float, help="* AdamW's; 0 is plain Adam")
+  p.add_argument("--max-norm", type=float, help="* andrea_clip's; 0 turns clipping off")
+  p.add_argument("--clip-impl", default=d.clip_impl, choices=CHOICES["clip_impl"],
+                 help="andrea_clip implementation (default: %(default)s)")
+  p.add_argument("--clip-mode", default=d.clip_mode, choices=CHOICES["clip_mode"],
+                 help="(default: %(default)s)")
+  p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
+                 help="computation dtype; parameters stay float32 (default: %(default)s)")
+  p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                 help="BPE vocabulary (default: %(default)s)")
+  p.add_argument("--seed", type=int, default=d.seed,
+                 help="model init, phases and data order (default: %(default)s)")
+  p.add_argument("--source", action="append", default=[], metavar="NAME=PATH_OR_GLOB",
+                 help=f"read a source ({', '.join(corpus.SOURCE_NAMES)}) from a file, "
+                      "directory or glob: plain text (a document per file) or JSONL "
+                      "(question/answer or text fields); repeatable; sources not named "
+                      "use the default text of the installed Python")
+  p.add_argument("--max-source-mb", type=float, default=d.max_source_mb,
+                 help="text read per source (default: %(default)s)")
+  p.add_argument("--bandit-eta", type=float, default=d.bandit_config.eta,
+                 help="softmax sharpness, per nat of loss (default: %(default)s)")
+  p.add_argument("--bandit-floor", type=float, default=d.bandit_config.floor,
+                 help="the least weight of any source (default: %(default)s)")
+  p.add_argument("--bandit-smoothing", type=float, default=d.bandit_config.smoothing,
+                 help="weight of the old reward in its running mean (default: %(default)s)")
+  p.add_argument("--out-dir", help="run directory (default: runs/CONFIG-RECIPE)")
+  p.add_argument("--cache-dir", help="tokenizer cache (default: ~/.cache/clipjax)")
+  p.add_argument("--checkpoint-every", type=int, help="* steps between checkpoints")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint in --out-dir")
+  p.add_argument("--stop-after-step", type=int,
+                 help="stop (after a checkpoint) at this step, as if interrupted")
+  p.add_argument("--num-samples", type=int, default=d.num_samples,
+                 help="samples generated at the end (default: %(default)s)")
+  p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
+                 help="(default: %(default)s)")
+  p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
+                 help="0 is greedy (default: %(default)s)")
+  p.add_argument("--no-plot", dest="plot", action="store_false", help="skip report.png")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bar")
+  args = vars(p.parse_args(argv))
+  args["sources"] = tuple(args.pop("source"))
+  args["bandit_config"] = bandit.BanditConfig(
+      eta=args.pop("bandit_eta"), floor=args.pop("bandit_floor"),
+      smoothing=args.pop("bandit_smoothing"))
+  return p, TrainConfig(**args)

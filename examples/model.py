@@ -1,0 +1,122 @@
+"""A decoder-only GPT in Flax NNX, with the configurations named after the ANDREA models.
+
+Pre-LayerNorm blocks; separate query, key and value projections (as in the ANDREA
+models); a 4x GELU MLP; learned positional embeddings; an untied LM head. Shapes are
+in the names: B batch, L sequence length, D d_model, H heads, K head size, V vocab.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ANDREA_VOCAB_SIZE = 8449
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  num_layers: int
+  d_model: int
+  num_heads: int
+  vocab_size: int = ANDREA_VOCAB_SIZE
+  context_length: int = 1024
+  mlp_ratio: int = 4
+  dtype: str = "float32"  # computation dtype; parameters stay float32
+
+  @property
+  def head_size(self) -> int:
+    return self.d_model // self.num_heads
+
+
+# Architectures only; context length, vocab and dtype are set by the training flags.
+MODEL_CONFIGS = {
+    "tiny": ModelConfig(num_layers=4, d_model=128, num_heads=4),
+    "andrea-12m": ModelConfig(num_layers=6, d_model=384, num_heads=6),
+    "andrea-120m": ModelConfig(num_layers=12, d_model=768, num_heads=12),
+}
+
+
+def _linear(d_in, d_out, cfg, rngs, *, stddev=0.02, use_bias=True):
+  return nnx.Linear(
+      d_in, d_out, use_bias=use_bias, dtype=jnp.dtype(cfg.dtype),
+      kernel_init=nnx.initializers.normal(stddev), rngs=rngs)
+
+
+class CausalSelfAttention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d = cfg.d_model
+    # Residual-branch outputs start smaller so the residual stream's variance does not
+    # grow with depth (GPT-2 initialisation).
+    out_stddev = 0.02 / math.sqrt(2 * cfg.num_layers)
+    self.query = _linear(d, d, cfg, rngs)
+    self.key = _linear(d, d, cfg, rngs)
+    self.value = _linear(d, d, cfg, rngs)
+    self.out = _linear(d, d, cfg, rngs, stddev=out_stddev)
+    self.num_heads = cfg.num_heads
+
+  def __call__(self, x_BxLxD):
+    B, L, D = x_BxLxD.shape
+    H = self.num_heads
+    q_BxLxHxK = self.query(x_BxLxD).reshape(B, L, H, D // H)
+    k_BxLxHxK = self.key(x_BxLxD).reshape(B, L, H, D // H)
+    v_BxLxHxK = self.value(x_BxLxD).reshape(B, L, H, D // H)
+    y_BxLxHxK = jax.nn.dot_product_attention(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+    return self.out(y_BxLxHxK.reshape(B, L, D))
+
+
+class Mlp(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, d_hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    self.up = _linear(d, d_hidden, cfg, rngs)
+    self.down = _linear(
+        d_hidden, d, cfg, rngs, stddev=0.02 / math.sqrt(2 * cfg.num_layers))
+
+  def __call__(self, x_BxLxD):
+    return self.down(jax.nn.gelu(self.up(x_BxLxD)))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.ln_attn = nnx.LayerNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+    self.attn = CausalSelfAttention(cfg, rngs)
+    self.ln_mlp = nnx.LayerNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+    self.mlp = Mlp(cfg, rngs)
+
+  def __call__(self, x_BxLxD):
+    x_BxLxD = x_BxLxD + self.attn(self.ln_attn(x_BxLxD))
+    return x_BxLxD + self.mlp(self.ln_mlp(x_BxLxD))
+
+
+class GPT(nnx.Module):
+  """tokens_BxL (int) -> logits_BxLxV (float32)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    embed_init = nnx.initializers.normal(0.02)
+    self.token_embed = nnx.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=embed_init,
+        rngs=rngs)
+    self.pos_embed = nnx.Embed(
+        cfg.context_length, cfg.d_model, dtype=dtype, embedding_init=embed_init,
+        rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.ln_final = nnx.LayerNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+    self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, use_bias=False)
+
+  def __call__(self, tokens_BxL):
+    L = tokens_BxL.shape[1]
+    x_BxLxD = self.token_embed(tokens_BxL) + self.pos_embed(jnp.arange(L))[None]
+    for block in self.blocks:
+      x_BxLxD = block(x_BxLxD)
+    return self.lm_head(self.ln_final(x_BxLxD)).astype(jnp.float32)
+
+
+def count_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,153 @@
+"""End-of-run report: loss and grad-norm curves, generated samples, their repetition.
+
+The ANDREA documents' failure mode is repetition lock-in (one token comes to dominate
+the samples), so every sample is scored by:
+
+  distinct_2       unique bigrams / bigrams (1.0: no bigram repeats)
+  repeat_4         fraction of 4-grams that repeat an earlier 4-gram of the same sample
+  top_token_share  the most frequent token's share of the sample (lock-in drives it to 1)
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import matplotlib.ticker
+import numpy as np
+from flax import nnx
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+SOURCE_COLORS = {
+    "repo-docs": "tab:blue", "gutenberg": "tab:green", "hermes3-general": "tab:orange"}
+# One prompt in the form of each source; samples cycle through them.
+SAMPLE_PROMPTS = (
+    "## Installation\n\n",
+    "The ",
+    "Question: What does `os.path.join` do?\nAnswer:",
+)
+
+
+# --- Samples ----------------------------------------------------------------------
+
+
+def generate(graphdef, params, prompts: list[list[int]], *, num_tokens: int,
+             context_length: int, temperature: float, seed: int) -> list[list[int]]:
+  """Continues each prompt by num_tokens tokens (fewer if the context is full)."""
+  B = len(prompts)
+  prompt_len_B = np.array([len(p) for p in prompts], np.int32)
+  num_tokens = min(num_tokens, context_length - int(prompt_len_B.max()))
+  tokens_BxL = np.zeros((B, context_length), np.int32)
+  for b, prompt in enumerate(prompts):
+    tokens_BxL[b, :len(prompt)] = prompt
+
+  @jax.jit
+  def continue_all(params, tokens_BxL, prompt_len_B, key):
+    rows_B = jnp.arange(B)
+
+    def add_token(i, carry):
+      tokens_BxL, key = carry
+      # Causal attention: the unfilled positions after i do not change earlier logits.
+      logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL)
+      logits_BxV = logits_BxLxV[rows_B, prompt_len_B + i - 1]
+      key, subkey = jax.random.split(key)
+      if temperature > 0:
+        next_B = jax.random.categorical(subkey, logits_BxV / temperature)
+      else:
+        next_B = jnp.argmax(logits_BxV, axis=-1)
+      return tokens_BxL.at[rows_B, prompt_len_B + i].set(next_B), key
+
+    return jax.lax.fori_loop(0, num_tokens, add_token, (tokens_BxL, key))[0]
+
+  out_BxL = np.asarray(continue_all(
+      params, tokens_BxL, prompt_len_B, jax.random.key(seed)))
+  return [out_BxL[b, n:n + num_tokens].tolist() for b, n in enumerate(prompt_len_B)]
+
+
+def repetition_stats(tokens: list[int]) -> dict[str, float]:
+  def ngrams(n):
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+
+  bigrams, fourgrams = ngrams(2), ngrams(4)
+  return {
+      "distinct_2": len(set(bigrams)) / len(bigrams) if bigrams else 1.0,
+      "repeat_4": 1 - len(set(fourgrams)) / len(fourgrams) if fourgrams else 0.0,
+      "top_token_share": (collections.Counter(tokens).most_common(1)[0][1] / len(tokens)
+                          if tokens else 0.0),
+  }
+
+
+def mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+  return {k: float(np.mean([s[k] for s in stats])) for k in stats[0]} if stats else {}
+
+
+# --- Curves -----------------------------------------------------------------------
+
+
+def _smooth(values: np.ndarray) -> np.ndarray:
+  """Centred moving average over about 1/25 of the run, skipping missing (NaN) values."""
+  width = max(3, len(values) // 25) | 1
+  finite = np.isfinite(values)
+  kernel = np.ones(width)
+  sums = np.convolve(np.where(finite, values, 0.0), kernel, mode="same")
+  counts = np.convolve(finite.astype(float), kernel, mode="same")
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(counts > 0, sums / counts, np.nan)
+
+
+def plot_run(records: list[dict], path: str, *, max_norm: float, title: str) -> None:
+  """Three panels: loss (total and per source), pre-clip grad norm, source weights."""
+  steps = [r for r in records if r["kind"] == "step"]
+  phases = [r for r in records if r["kind"] == "phase"]
+  step_S = np.array([r["step"] for r in steps])
+  loss_S = np.array([r["loss"] for r in steps])
+  norm_S = np.array([r["grad_norm"] for r in steps])
+  clipped_S = np.array([bool(r["clipped"]) for r in steps])
+  boundaries = [p["step"] for p in phases[1:]]
+
+  fig, (ax_loss, ax_norm, ax_weights) = plt.subplots(
+      3, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3]})
+  fig.suptitle(title)
+
+  ax_loss.plot(step_S, loss_S, color="0.75", lw=0.8, label="loss (batch)")
+  ax_loss.plot(step_S, _smooth(loss_S), color="black", lw=1.6, label="loss (smoothed)")
+  for name, color in SOURCE_COLORS.items():
+    per_source = np.array(
+        [np.nan if r["loss_by_source"].get(name) is None else r["loss_by_source"][name]
+         for r in steps], dtype=float)
+    ax_loss.plot(step_S, _smooth(per_source), color=color, lw=1.1,
+                 label=f"{name} (smoothed)")
+  ax_loss.set_ylabel("training loss (nats)")
+  ax_loss.legend(loc="upper right", fontsize=8)
+
+  ax_norm.semilogy(step_S, norm_S, color="tab:purple", lw=1.0, label="pre-clip global norm")
+  if max_norm > 0:
+    ax_norm.axhline(max_norm, color="tab:red", ls="--", lw=1.2,
+                    label=f"max_norm = {max_norm:g}")
+    ax_norm.scatter(step_S[clipped_S], norm_S[clipped_S], color="tab:red", marker="x",
+                    s=14, zorder=3,
+                    label=f"clipped ({clipped_S.sum()} of {len(step_S)} steps)")
+  ax_norm.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+  ax_norm.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+  ax_norm.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  ax_norm.set_ylabel("gradient norm (log)")
+  ax_norm.legend(loc="upper right", fontsize=8)
+
+  if phases:
+    edges = [p["step"] for p in phases] + [int(step_S[-1]) + 1]
+    weights_PxK = np.array([[p["weights"][n] for n in SOURCE_COLORS] for p in phases])
+    ax_weights.stackplot(
+        edges, np.vstack([weights_PxK, weights_PxK[-1:]]).T, step="post",
+        colors=list(SOURCE_COLORS.values()), alpha=0.8)
+    ax_weights.set_ylim(0, 1)
+  ax_weights.set_ylabel("source weights\n(colours as above)")
+  ax_weights.set_xlabel("step (dotted lines: phase boundaries)")
+
+  for ax in (ax_loss, ax_norm, ax_weights):
+    for b in boundaries:
+      ax.axvline(b, color="0.6", ls=":", lw=0.7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
