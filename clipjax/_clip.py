@@ -91,8 +91,17 @@ def _ffi_supports(leaves):
   return all(jnp.dtype(x.dtype) in _ffi.SUPPORTED_DTYPES for x in leaves)
 
 
-def _check_ffi(paths, leaves):
+def _default_platform() -> str:
+  """The lowering platform of the default backend ("gpu" resolved to cuda/rocm)."""
   platform = jax.default_backend()
+  if platform == "gpu":
+    version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+    platform = "rocm" if "rocm" in version else "cuda"
+  return platform
+
+
+def _check_ffi(paths, leaves):
+  platform = _default_platform()
   if not _ffi.has_handler(platform):
     raise RuntimeError(_ffi.missing_handler_message(platform))
   for path, x in zip(paths, leaves):
