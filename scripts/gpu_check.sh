@@ -40,7 +40,7 @@ if has build; then
 fi
 
 if has test; then
-  $PY -m pytest -q -ra tests/test_gpu.py tests/test_andrea_clip.py 2>&1 | tee "$LOG_DIR/pytest_gpu.log"
+  $PY -m pytest -q -ra ${GPU_TESTS:-tests/test_gpu.py tests/test_andrea_clip.py} 2>&1 | tee "$LOG_DIR/pytest_gpu.log"
   record "pytest (GPU)" "${PIPESTATUS[0]}" pytest_gpu.log
 fi
 
