@@ -36,17 +36,15 @@ def _exponent(amax):
   return jnp.where((biased == 0) | (biased == 0xFF), -126, biased - 126)
 
 
-def _rescaled_norms(leaves32, per_leaf=True):
+def _rescaled_norms(leaves32):
   """Per-leaf and global norms from leaves rescaled by powers of two.
 
-  Each leaf is multiplied by 2**-e (e from its largest magnitude, or the
-  largest of all leaves when not `per_leaf`), so its squares neither overflow
-  nor underflow where it matters; the exponents are put back at the end.
+  Each leaf is multiplied by 2**-e (e from its largest magnitude), so its
+  squares neither overflow nor underflow where it matters; the exponents are
+  put back at the end.
   """
   amax = jnp.stack([jnp.max(jnp.abs(x), initial=_F32(0)) for x in leaves32])
   exps = _exponent(amax)
-  if not per_leaf:
-    exps = jnp.full_like(exps, jnp.max(exps))
   sums = jnp.stack([jnp.sum(jnp.square(x * _pow2(-exps[i]))) for i, x in enumerate(leaves32)])
   unscale = lambda v, e: v * _pow2(e // 2) * _pow2(e - e // 2)
   leaf_norms = unscale(jnp.sqrt(sums), exps)
@@ -55,9 +53,17 @@ def _rescaled_norms(leaves32, per_leaf=True):
   return unscale(jnp.sqrt(total), top), leaf_norms
 
 
-def _fast_norms(leaves32):
-  sums = jnp.stack([jnp.sum(jnp.square(x)) for x in leaves32])
-  return jnp.sqrt(jnp.sum(sums)), jnp.sqrt(sums)
+def _rescaled_global_norm(leaves32):
+  """The global norm from all leaves rescaled by one power of two.
+
+  Only taken when the float32 sum of squares overflowed or underflowed, so
+  it favours compile time over speed: the leaves are flattened into one vector
+  and reduced by a handful of operations whatever their number.
+  """
+  flat = jnp.concatenate([x.reshape(-1) for x in leaves32])
+  e = _exponent(jnp.max(jnp.abs(flat), initial=_F32(0)))
+  total = jnp.sum(jnp.square(flat * _pow2(-e)))
+  return jnp.sqrt(total) * _pow2(e // 2) * _pow2(e - e // 2)
 
 
 def norms(leaves, *, per_leaf_exact: bool):
@@ -73,8 +79,8 @@ def norms(leaves, *, per_leaf_exact: bool):
   sums = jnp.stack([jnp.sum(jnp.square(x)) for x in leaves32])
   total = jnp.sum(sums)
   fast_ok = jnp.isfinite(total) & (total >= _FAST_SUMSQ_MIN)
-  return lax.cond(fast_ok, lambda xs: (jnp.sqrt(total), jnp.sqrt(sums)),
-                  lambda xs: _rescaled_norms(xs, per_leaf=False), leaves32)
+  return lax.cond(fast_ok, lambda xs: jnp.sqrt(total), _rescaled_global_norm,
+                  leaves32), jnp.sqrt(sums)
 
 
 def _scale_leaf(x, scale, keep, zero_fill):
