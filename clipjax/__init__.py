@@ -13,6 +13,7 @@ from clipjax._clip import (
     global_norm,
 )
 from clipjax._ffi import platforms as ffi_platforms
+from clipjax._sharded import clip_tree_in_shard_map, sharded_clip_tree
 
 __all__ = [
     "AndreaClipState",
@@ -20,7 +21,9 @@ __all__ = [
     "andrea_clip",
     "clip_state",
     "clip_tree",
+    "clip_tree_in_shard_map",
     "ffi_platforms",
     "global_norm",
+    "sharded_clip_tree",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ kernels) or its pure-JAX twin -> pytree.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -174,7 +175,8 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
 
 
 def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
-                on_nonfinite: str = "propagate") -> optax.GradientTransformation:
+                on_nonfinite: str = "propagate", mesh=None,
+                specs=None) -> optax.GradientTransformation:
   """Clips updates by their global L2 norm; chain it ahead of the optimizer.
 
     optax.chain(clipjax.andrea_clip(1.0), optax.adamw(3e-4, weight_decay=0.1))
@@ -196,6 +198,14 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       an inf norm zeroes the finite ones) or "zero" (a NaN/inf norm writes exact
       zeros to every leaf, so AdamW's moments never see it; the step is counted
       in `nonfinite_count`).
+    mesh: for updates sharded over this jax.sharding.Mesh: the clip runs in
+      `shard_map` over it, each device on its own shards, and only per-leaf
+      sums of squares cross devices (see `sharded_clip_tree`).
+    specs: the PartitionSpecs of the updates (a pytree like them, or a
+      prefix). With `mesh`, read from the updates when left out (concrete
+      arrays, or a mesh with Explicit axes). Without `mesh`, `update` runs
+      inside the caller's own shard_map and `specs` are the updates' specs
+      there (see `clip_tree_in_shard_map`).
 
   Returns:
     An optax.GradientTransformation whose state is an AndreaClipState.
@@ -205,6 +215,12 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   _check_choice("on_nonfinite", on_nonfinite, tuple(_ffi.NONFINITE_POLICIES))
   _check_max_norm(max_norm)
   per_tensor = mode == "per_tensor"
+  clip = clip_tree
+  if mesh is not None or specs is not None:
+    from clipjax import _sharded  # imports this module, so not at the top
+    clip = (functools.partial(_sharded.sharded_clip_tree, mesh=mesh, specs=specs)
+            if mesh is not None else
+            functools.partial(_sharded.clip_tree_in_shard_map, specs=specs))
 
   def init_fn(params):
     leaf_norms = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
@@ -214,7 +230,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   def update_fn(updates, state, params=None):
     del params
-    result = clip_tree(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite)
+    result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite)
     leaf_norms = None
     if per_tensor:
       treedef = jax.tree_util.tree_structure(updates)

@@ -1,0 +1,302 @@
+"""Sharded gradients: one global norm across devices, with nothing gathered.
+
+The tests need 8 devices. XLA fixes the CPU device count when its backend
+starts, so `test_on_eight_cpu_devices` runs this file again in a subprocess
+with --xla_force_host_platform_device_count=8, where the other tests run
+(here they are skipped). To run them directly:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharded.py
+
+Every result is checked against the whole, unsharded tree: the float64 NumPy
+norm and `clipjax.clip_tree` on one device, with both implementations.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import clipjax
+from conftest import f64_norm
+
+_CHILD = "CLIPJAX_TEST_EIGHT_DEVICES"
+
+
+def test_on_eight_cpu_devices():
+  if jax.device_count() >= 8:
+    if os.environ.get(_CHILD):
+      pytest.skip("this is the 8-device run")
+    pytest.skip("8 devices already: the tests below run here")
+  if os.environ.get(_CHILD):
+    pytest.fail("--xla_force_host_platform_device_count=8 did not give 8 devices")
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_CHILD: "1"})
+  run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+
+
+@pytest.fixture
+def devices8():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices: runs in the subprocess of test_on_eight_cpu_devices")
+
+
+def _mesh(shape, names, axis_type=AxisType.Auto):
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _put(tree, mesh, specs):
+  """`tree` placed as `specs` (its structure or a prefix of it) say."""
+  return jax.tree.map(lambda spec, subtree: jax.device_put(subtree, NamedSharding(mesh, spec)),
+                      specs, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _tree(shapes, scale=1.0, seed=0):
+  """Leaves whose rows differ in size, so every shard holds a different norm."""
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  tree = {}
+  for (name, (shape, dtype)), key in zip(shapes.items(), keys):
+    ramp = jnp.linspace(0.1, 3.0, shape[0]).reshape((-1,) + (1,) * (len(shape) - 1))
+    tree[name] = (scale * ramp * jax.random.normal(key, shape)).astype(dtype)
+  return tree
+
+
+def _assert_matches_whole_tree(result, tree, max_norm, impl, mode="global"):
+  ref = clipjax.clip_tree(tree, max_norm, impl=impl, mode=mode)
+  np.testing.assert_allclose(float(result.global_norm), f64_norm(tree), rtol=1e-6)
+  np.testing.assert_allclose(float(result.global_norm), float(ref.global_norm), rtol=1e-6)
+  for got, want, leaf in zip(result.leaf_norms, ref.leaf_norms, jax.tree.leaves(tree)):
+    np.testing.assert_allclose(float(got), f64_norm(leaf), rtol=1e-6)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  assert bool(result.clipped) == bool(ref.clipped)
+  assert not bool(result.nonfinite)
+  for k in tree:
+    out = result.updates[k]
+    assert out.dtype == tree[k].dtype and out.shape == tree[k].shape
+    rtol = 1e-6 if out.dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref.updates[k], np.float32),
+                               rtol=rtol, atol=0)
+
+
+def _clip_jitted(tree, max_norm, mesh, specs, impl, **kw):
+  clip = jax.jit(lambda t: clipjax.sharded_clip_tree(t, max_norm, mesh=mesh, specs=specs,
+                                                     impl=impl, **kw))
+  return clip(_put(tree, mesh, specs))
+
+
+# --- the three layouts -----------------------------------------------------------------
+
+
+def test_replicated_tree_data_parallel(devices8, impl):
+  mesh = _mesh((8,), ("data",))
+  tree = _tree({"w": ((24, 5), jnp.float32), "b": ((7,), jnp.float32)})
+  for max_norm in (1.0, 1e3):
+    result = _clip_jitted(tree, max_norm, mesh, P(), impl)
+    _assert_matches_whole_tree(result, tree, max_norm, impl)
+  # A replicated leaf is counted once, not once per device.
+  np.testing.assert_allclose(float(result.global_norm), f64_norm(tree), rtol=1e-6)
+
+
+def test_fsdp_sharded_on_one_axis(devices8, impl):
+  mesh = _mesh((8,), ("data",))
+  tree = _tree({"w": ((64, 16), jnp.float32), "v": ((32,), jnp.bfloat16),
+                "bias": ((6,), jnp.float32)})
+  specs = {"w": P("data"), "v": P("data"), "bias": P()}
+  result = _clip_jitted(tree, 1.0, mesh, specs, impl)
+  _assert_matches_whole_tree(result, tree, 1.0, impl)
+  assert bool(result.clipped)
+  np.testing.assert_allclose(f64_norm(result.updates), 1.0, rtol=1e-2)
+  assert result.updates["w"].sharding.spec == P("data")
+
+
+def test_below_max_norm_passes_bit_for_bit(devices8, impl):
+  mesh = _mesh((8,), ("data",))
+  tree = _tree({"w": ((64, 16), jnp.float32), "v": ((32,), jnp.bfloat16)})
+  result = _clip_jitted(tree, 1e4, mesh, {"w": P("data"), "v": P("data")}, impl)
+  assert not bool(result.clipped)
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(result.updates[k]).view(np.uint8),
+                                  np.asarray(tree[k]).view(np.uint8))
+
+
+def test_2d_mesh_leaves_on_different_axes(devices8, impl):
+  mesh = _mesh((4, 2), ("data", "model"))
+  tree = _tree({"w": ((16, 8), jnp.float32), "e": ((6, 10), jnp.float32),
+                "m": ((8, 3), jnp.float32), "f": ((24,), jnp.bfloat16),
+                "b": ((5,), jnp.float32)})
+  specs = {"w": P("data", "model"), "e": P(None, "model"), "m": P("data"),
+           "f": P(("data", "model")), "b": P()}
+  result = _clip_jitted(tree, 2.0, mesh, specs, impl)
+  _assert_matches_whole_tree(result, tree, 2.0, impl)
+  for k in tree:
+    assert result.updates[k].sharding.spec == specs[k]
+
+
+def test_per_tensor_mode(devices8, impl):
+  mesh = _mesh((4, 2), ("data", "model"))
+  tree = _tree({"big": ((16, 8), jnp.float32), "small": ((8,), jnp.float32)})
+  tree["small"] = tree["small"] * 1e-3
+  specs = {"big": P("data", "model"), "small": P("model")}
+  result = _clip_jitted(tree, 1.0, mesh, specs, impl, mode="per_tensor")
+  _assert_matches_whole_tree(result, tree, 1.0, impl, mode="per_tensor")
+  np.testing.assert_allclose(f64_norm(result.updates["big"]), 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(result.updates["small"], tree["small"])
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_float32_squares_that_underflow_or_overflow(devices8, impl, scale):
+  mesh = _mesh((8,), ("data",))
+  tree = _tree({"w": ((64, 16), jnp.float32), "b": ((8,), jnp.float32)}, scale=scale)
+  result = _clip_jitted(tree, 1.0, mesh, {"w": P("data"), "b": P()}, impl)
+  np.testing.assert_allclose(float(result.global_norm), f64_norm(tree), rtol=1e-6)
+  if scale > 1:
+    np.testing.assert_allclose(f64_norm(result.updates), 1.0, rtol=1e-6)
+
+
+# --- NaN and inf -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("on_nonfinite", ["propagate", "zero"])
+def test_nonfinite_in_one_shard_reaches_every_device(devices8, impl, bad, on_nonfinite):
+  mesh = _mesh((8,), ("data",))
+  tree = _tree({"w": ((64, 4), jnp.float32), "b": ((3,), jnp.float32)})
+  tree["w"] = tree["w"].at[40, 1].set(bad)  # on the sixth device only
+  result = _clip_jitted(tree, 1.0, mesh, {"w": P("data"), "b": P()}, impl,
+                        on_nonfinite=on_nonfinite)
+  ref = clipjax.clip_tree(tree, 1.0, impl=impl, on_nonfinite=on_nonfinite)
+  assert bool(result.nonfinite) and bool(result.clipped)
+  np.testing.assert_array_equal(float(result.global_norm), float(ref.global_norm))
+  for k in tree:
+    np.testing.assert_array_equal(result.updates[k], ref.updates[k])
+    if on_nonfinite == "zero":
+      np.testing.assert_array_equal(result.updates[k], 0.0)
+
+
+# --- no gradient-sized collectives ---------------------------------------------------------
+
+
+def _collectives(hlo):
+  """(op, element count) of every collective in compiled HLO text."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+                  r"collective-permute)(-start)?\(", line)
+    if m:
+      sizes = [math.prod(int(d) for d in dims.split(",") if d)
+               for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
+      found.append((m.group(2), max(sizes, default=1)))
+  return found
+
+
+def test_compiled_hlo_has_no_all_gather(devices8, impl):
+  mesh = _mesh((4, 2), ("data", "model"))
+  tree = _tree({"w": ((96, 40), jnp.float32), "e": ((20, 56), jnp.bfloat16),
+                "b": ((9,), jnp.float32)})
+  specs = {"w": P("data", "model"), "e": P(None, "model"), "b": P()}
+  clip = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh, specs=specs, impl=impl))
+  hlo = clip.lower(_put(tree, mesh, specs)).compile().as_text()
+  collectives = _collectives(hlo)
+  assert collectives and {op for op, _ in collectives} == {"all-reduce"}, collectives
+  assert all(size <= len(tree) for _, size in collectives), collectives
+  # Only shards are ever materialised: no buffer has a sharded leaf's whole shape.
+  assert "[96,40]" not in hlo and "[20,56]" not in hlo
+  if impl == "ffi":
+    assert 'custom_call_target="clipjax_andrea_clip"' in hlo
+    assert "f32[24,20]" in hlo and "bf16[20,28]" in hlo
+
+
+# --- inside a training step -----------------------------------------------------------------
+
+
+def test_andrea_clip_with_mesh_in_a_jitted_adamw_step(devices8, impl):
+  mesh = _mesh((4, 2), ("data", "model"))
+  params = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=1)
+  grads = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=2)
+  specs = {"w": P("data", "model"), "b": P()}
+
+  def run(tx, params, grads):
+    @jax.jit
+    def step(params, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    return step(params, tx.init(params))
+
+  adamw = optax.adamw(1e-2, weight_decay=0.1)
+  sharded_tx = optax.chain(clipjax.andrea_clip(1.0, impl=impl, mesh=mesh, specs=specs), adamw)
+  whole_tx = optax.chain(clipjax.andrea_clip(1.0, impl=impl), adamw)
+  got, got_state = run(sharded_tx, _put(params, mesh, specs), _put(grads, mesh, specs))
+  want, want_state = run(whole_tx, params, grads)
+  np.testing.assert_allclose(float(clipjax.clip_state(got_state).global_norm),
+                             float(clipjax.clip_state(want_state).global_norm), rtol=1e-6)
+  assert bool(clipjax.clip_state(got_state).clipped)
+  for k in params:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+    assert got[k].sharding.spec == specs[k]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_inside_a_users_own_shard_map(devices8, impl, check_vma):
+  mesh = _mesh((4, 2), ("data", "model"))
+  tree = _tree({"w": ((16, 8), jnp.float32), "m": ((8, 3), jnp.float32),
+                "b": ((5,), jnp.float32)})
+  specs = {"w": P("data", "model"), "m": P("data"), "b": P()}
+  tx = clipjax.andrea_clip(1.0, impl=impl, specs=specs)
+
+  def step(grads):  # this device's shards
+    result = clipjax.clip_tree_in_shard_map(grads, 1.0, specs=specs, impl=impl)
+    updates, state = tx.update(grads, tx.init(grads))
+    return result.updates, updates, result.global_norm, state.global_norm
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs,),
+                               out_specs=(specs, specs, P(), P()), check_vma=check_vma))
+  clipped, updates, norm, state_norm = step(_put(tree, mesh, specs))
+  ref = clipjax.clip_tree(tree, 1.0, impl=impl)
+  np.testing.assert_allclose(float(norm), f64_norm(tree), rtol=1e-6)
+  assert float(state_norm) == float(norm)
+  for k in tree:
+    np.testing.assert_allclose(clipped[k], ref.updates[k], rtol=1e-6)
+    np.testing.assert_array_equal(updates[k], clipped[k])
+
+
+def test_specs_read_from_the_arrays(devices8, impl):
+  tree = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)})
+  specs = {"w": P("data", "model"), "b": P()}
+  # Concrete arrays carry their NamedSharding (here on Auto axes).
+  auto = _put(tree, _mesh((4, 2), ("data", "model")), specs)
+  _assert_matches_whole_tree(clipjax.sharded_clip_tree(auto, 1.0, impl=impl), tree, 1.0, impl)
+  # Inside jit the types carry it on a mesh with Explicit axes.
+  explicit = _put(tree, _mesh((4, 2), ("data", "model"), AxisType.Explicit), specs)
+  result = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, impl=impl))(explicit)
+  _assert_matches_whole_tree(result, tree, 1.0, impl)
+  assert result.updates["w"].sharding.spec == P("data", "model")
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_specs_are_named(devices8):
+  mesh = _mesh((8,), ("data",))
+  tree = {"w": jnp.ones((8, 2)), "b": jnp.ones((3,))}
+  with pytest.raises(ValueError, match="specs"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh, specs={"w": P("data")})
+  with pytest.raises(ValueError, match=r"\['model'\].*does not have"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh, specs={"w": P("model"), "b": P()})
+  with pytest.raises(TypeError, match=r"\['w'\].*PartitionSpec"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh,
+                              specs={"w": NamedSharding(mesh, P()), "b": P()})
+  with pytest.raises(ValueError, match="specs="):  # Auto axes: the type says nothing
+    jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh))(_put(tree, mesh, P()))
+  with pytest.raises(ValueError, match="specs="):
+    clipjax.clip_tree_in_shard_map(tree, 1.0, specs=None)
+  empty = clipjax.sharded_clip_tree({}, 1.0, mesh=mesh, specs=P())
+  assert empty.updates == {} and float(empty.global_norm) == 0.0
