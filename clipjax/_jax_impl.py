@@ -31,9 +31,10 @@ def _pow2(k):
 
 
 def _exponent(amax):
-  """e with amax * 2**-e below 1 and, for normal amax, at least 0.5."""
+  """e in [-126, 126] with amax * 2**-e below 4 and, for normal amax below
+  2**126, at least 0.5 (so 2**-e is itself a normal float32)."""
   biased = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
-  return jnp.where((biased == 0) | (biased == 0xFF), -126, biased - 126)
+  return jnp.where((biased == 0) | (biased == 0xFF), -126, jnp.minimum(biased - 126, 126))
 
 
 def _rescaled_norms(leaves32):

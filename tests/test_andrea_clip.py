@@ -126,6 +126,8 @@ def test_repeated_clipping_to_one_over_i(impl):
 ADVERSARIAL = {
     "huge": lambda k: {"a": 1e30 * jax.random.normal(k, (1000,)),
                        "b": jnp.full((7,), 3e30)},  # f32 sum of squares overflows
+    "f32_near_max": lambda k: {"a": jnp.array([2e38, -1e38, 1.0]),
+                               "b": 1e37 * jax.random.normal(k, (5,))},
     "tiny": lambda k: {"a": 1e-30 * jax.random.normal(k, (1000,))},  # squares underflow
     "mixed": lambda k: {"big": 1e25 * jax.random.normal(k, (50,)),
                         "small": 1e-25 * jax.random.normal(k, (50,)),
@@ -150,6 +152,7 @@ def test_norm_matches_float64_reference_at_extreme_magnitudes(impl, case):
   np.testing.assert_allclose(float(state.global_norm), ref, rtol=rtol)
   if ref > 1.0:
     assert bool(state.clipped)
+  if 1.0 < ref < 8e37:  # above, max_norm / norm is subnormal (see README, known limits)
     np.testing.assert_allclose(f64_norm(out), 1.0, rtol=1e-2)
 
 
