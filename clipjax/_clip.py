@@ -69,6 +69,13 @@ def _check_max_norm(max_norm):
     raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
 
 
+def _check_options(max_norm, impl, mode, on_nonfinite):
+  _check_choice("impl", impl, IMPLS)
+  _check_choice("mode", mode, tuple(_ffi.MODES))
+  _check_choice("on_nonfinite", on_nonfinite, tuple(_ffi.NONFINITE_POLICIES))
+  _check_max_norm(max_norm)
+
+
 def _flatten(tree):
   """Leaves (as arrays) with their paths; rejects leaves that are not floats."""
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -140,10 +147,7 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
   whether it was clipped, whether the norm was NaN/inf, and per-leaf norms.
   None leaves and optax.MaskedNode are skipped and kept as they are.
   """
-  _check_choice("impl", impl, IMPLS)
-  _check_choice("mode", mode, tuple(_ffi.MODES))
-  _check_choice("on_nonfinite", on_nonfinite, tuple(_ffi.NONFINITE_POLICIES))
-  _check_max_norm(max_norm)
+  _check_options(max_norm, impl, mode, on_nonfinite)
   paths, leaves, treedef = _flatten(tree)
   if not leaves:
     zero = jnp.zeros((), jnp.float32)
@@ -210,10 +214,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   Returns:
     An optax.GradientTransformation whose state is an AndreaClipState.
   """
-  _check_choice("impl", impl, IMPLS)
-  _check_choice("mode", mode, tuple(_ffi.MODES))
-  _check_choice("on_nonfinite", on_nonfinite, tuple(_ffi.NONFINITE_POLICIES))
-  _check_max_norm(max_norm)
+  _check_options(max_norm, impl, mode, on_nonfinite)
   per_tensor = mode == "per_tensor"
   clip = clip_tree
   if mesh is not None or specs is not None:

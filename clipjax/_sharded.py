@@ -27,17 +27,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from clipjax import _ffi, _jax_impl
-from clipjax._clip import (IMPLS, ClipResult, _check_choice, _check_ffi, _check_max_norm,
-                           _flatten, _run)
+from clipjax._clip import ClipResult, _check_ffi, _check_options, _flatten, _run
 
 _F32 = jnp.float32
-
-
-def _check_options(max_norm, impl, mode, on_nonfinite):
-  _check_choice("impl", impl, IMPLS)
-  _check_choice("mode", mode, tuple(_ffi.MODES))
-  _check_choice("on_nonfinite", on_nonfinite, tuple(_ffi.NONFINITE_POLICIES))
-  _check_max_norm(max_norm)
 
 
 def _empty_result(tree):
