@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _jax_impl
+from clipjax import _jax_impl
 from clipjax._clip import ClipResult, _check_ffi, _check_options, _flatten, _run
 
 _F32 = jnp.float32
