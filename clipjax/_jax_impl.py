@@ -37,25 +37,28 @@ def _exponent(amax):
   return jnp.where((biased == 0) | (biased == 0xFF), -126, jnp.minimum(biased - 126, 126))
 
 
+def _unscale(v, e):
+  """v * 2**e for e in [-252, 252], in two exact steps (2**e alone may not be a float32)."""
+  return v * _pow2(e // 2) * _pow2(e - e // 2)
+
+
 def _rescaled_norms(leaves32):
-  """Per-leaf and global norms from leaves rescaled by powers of two.
+  """Per-leaf and global (root, exponent) pairs from leaves rescaled by powers of two.
 
   Each leaf is multiplied by 2**-e (e from its largest magnitude), so its
-  squares neither overflow nor underflow where it matters; the exponents are
-  put back at the end.
+  squares neither overflow nor underflow where it matters; a norm is
+  root * 2**e. Returns ((global root, global e), (leaf roots, leaf exponents)).
   """
   amax = jnp.stack([jnp.max(jnp.abs(x), initial=_F32(0)) for x in leaves32])
   exps = _exponent(amax)
   sums = jnp.stack([jnp.sum(jnp.square(x * _pow2(-exps[i]))) for i, x in enumerate(leaves32)])
-  unscale = lambda v, e: v * _pow2(e // 2) * _pow2(e - e // 2)
-  leaf_norms = unscale(jnp.sqrt(sums), exps)
   top = jnp.max(exps)
   total = jnp.sum(sums * _pow2(2 * (exps - top)))
-  return unscale(jnp.sqrt(total), top), leaf_norms
+  return (jnp.sqrt(total), top), (jnp.sqrt(sums), exps)
 
 
 def _rescaled_global_norm(leaves32):
-  """The global norm from all leaves rescaled by one power of two.
+  """The global (root, exponent) from all leaves rescaled by one power of two.
 
   Only taken when the float32 sum of squares overflowed or underflowed, so
   it favours compile time over speed: the leaves are flattened into one vector
@@ -63,16 +66,17 @@ def _rescaled_global_norm(leaves32):
   """
   flat = jnp.concatenate([x.reshape(-1) for x in leaves32])
   e = _exponent(jnp.max(jnp.abs(flat), initial=_F32(0)))
-  total = jnp.sum(jnp.square(flat * _pow2(-e)))
-  return jnp.sqrt(total) * _pow2(e // 2) * _pow2(e - e // 2)
+  return jnp.sqrt(jnp.sum(jnp.square(flat * _pow2(-e)))), e
 
 
 def norms(leaves, *, per_leaf_exact: bool):
-  """(global norm, per-leaf norms), both float32.
+  """((global root, global exponent), (leaf roots, leaf exponents)).
 
-  With `per_leaf_exact` every leaf norm is computed rescaled (two passes per
-  leaf); otherwise the per-leaf norms come from the fast float32 sums and only
-  the global norm is guaranteed against overflow and underflow.
+  A norm is root * 2**exponent (`_unscale`); the root is finite whenever the
+  leaves are, even where the norm itself is above the float32 range. With
+  `per_leaf_exact` every leaf norm is computed rescaled (two passes per leaf);
+  otherwise the per-leaf norms come from the fast float32 sums (exponent 0)
+  and only the global norm is guaranteed against overflow and underflow.
   """
   leaves32 = [_as_f32(x) for x in leaves]
   if per_leaf_exact:
@@ -80,43 +84,64 @@ def norms(leaves, *, per_leaf_exact: bool):
   sums = jnp.stack([jnp.sum(jnp.square(x)) for x in leaves32])
   total = jnp.sum(sums)
   fast_ok = jnp.isfinite(total) & (total >= _FAST_SUMSQ_MIN)
-  return lax.cond(fast_ok, lambda xs: jnp.sqrt(total), _rescaled_global_norm,
-                  leaves32), jnp.sqrt(sums)
+  # The fast branch's exponent, 0, is computed from `total` so that inside shard_map
+  # it varies over the same mesh axes as the other branch's.
+  root, e = lax.cond(fast_ok, lambda xs: (jnp.sqrt(total), (total < 0).astype(jnp.int32)),
+                     _rescaled_global_norm, leaves32)
+  return (root, e), (jnp.sqrt(sums), jnp.zeros(len(leaves), jnp.int32))
 
 
-def _scale_leaf(x, scale, keep, zero_fill):
-  scaled = (_as_f32(x) * scale).astype(x.dtype) if not jnp.issubdtype(
+def _scale_leaf(x, scale, keep, zero_fill, pre=None):
+  x32 = _as_f32(x) if pre is None else _as_f32(x) * pre
+  scaled = (x32 * scale).astype(x.dtype) if not jnp.issubdtype(
       x.dtype, jnp.complexfloating) else (x * scale.astype(x.dtype))
   out = jnp.where(keep, x, scaled)
   return jnp.where(zero_fill, jnp.zeros_like(x), out)
 
 
-def decide(norm, max_norm, zero_nonfinite, all_finite):
-  """The clip decision of cuda/andrea_clip_common.h::DecideScale."""
+def decide(norm, max_norm, zero_nonfinite, all_finite, root=None, exp=None):
+  """The clip decision of cuda/andrea_clip_common.h::DecideScale.
+
+  Returns (scale, keep, zero_fill, pre): a clipped leaf becomes x * pre * scale.
+  pre is 1 except where `root` and `exp` (norm = root * 2**exp) are given and the
+  factor max_norm / norm is subnormal or the norm is above the float32 range with
+  a finite root (finite gradients): there the true factor max_norm / root *
+  2**-exp is split into two normal float32 factors, since XLA flushes a
+  subnormal factor to zero.
+  """
   keep = norm <= max_norm
-  scale = jnp.where(keep, _F32(1), max_norm / norm)
+  scale, pre = max_norm / norm, jnp.ones_like(norm)
+  if root is not None:
+    tiny = jnp.isinf(norm) | (jnp.abs(scale) < jnp.finfo(_F32).tiny)
+    split = tiny & jnp.isfinite(root) & (root > 0)
+    half = exp // 2
+    scale = jnp.where(split, (max_norm / root) * _pow2(half - exp), scale)
+    pre = jnp.where(split, _pow2(-half), pre)
+  scale = jnp.where(keep, _F32(1), scale)
   zero_fill = jnp.logical_and(zero_nonfinite, jnp.logical_not(all_finite))
-  return scale, keep & ~zero_fill, zero_fill
+  return scale, keep & ~zero_fill, zero_fill, pre
 
 
 def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
   max_norm = jnp.asarray(max_norm, _F32).reshape(())
   per_tensor = mode == "per_tensor"
-  global_norm, leaf_norms = norms(leaves, per_leaf_exact=per_tensor)
-  all_finite = jnp.isfinite(global_norm)
+  (root, exp), (leaf_roots, leaf_exps) = norms(leaves, per_leaf_exact=per_tensor)
+  global_norm, leaf_norms = _unscale(root, exp), _unscale(leaf_roots, leaf_exps)
+  all_finite = jnp.isfinite(root)  # finite leaves, even where the norm overflows float32
   zero = on_nonfinite == "zero"
   if per_tensor:
-    scale, keep, zero_fill = decide(leaf_norms, max_norm, zero, all_finite)
+    scale, keep, zero_fill, pre = decide(leaf_norms, max_norm, zero, all_finite, leaf_roots,
+                                         leaf_exps)
     clipped = jnp.any(~keep)
   else:
-    scale, keep, zero_fill = decide(global_norm, max_norm, zero, all_finite)
+    scale, keep, zero_fill, pre = decide(global_norm, max_norm, zero, all_finite, root, exp)
     clipped = ~keep
   flags = jnp.stack([clipped, ~all_finite]).astype(jnp.int32)
   all_norms = jnp.concatenate([global_norm[None], leaf_norms])
   if not scale_leaves:
     return None, all_norms, flags
   if per_tensor:
-    out = [_scale_leaf(x, scale[i], keep[i], zero_fill) for i, x in enumerate(leaves)]
+    out = [_scale_leaf(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(leaves)]
   else:
-    out = [_scale_leaf(x, scale, keep, zero_fill) for x in leaves]
+    out = [_scale_leaf(x, scale, keep, zero_fill, pre) for x in leaves]
   return out, all_norms, flags

@@ -112,11 +112,21 @@ double SumSquares(const void* base, int64_t begin, int64_t end) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// `exact` is the factor in float64. Where it is below the smallest normal float32
+// (a norm above about 8e37 with max_norm 1), s.scale is subnormal, and XLA runs its
+// CPU threads with subnormals flushed to zero: the factor is then applied as two
+// normal float32 factors, 2**-64 and exact * 2**64.
 template <typename Leaf>
-void ScaleInPlace(void* base, int64_t n, const LeafScale& s) {
+void ScaleInPlace(void* base, int64_t n, const LeafScale& s, double exact) {
   auto* x = static_cast<typename Leaf::Storage*>(base);
   if (s.action == kZeroFill) {
     std::memset(x, 0, n * sizeof(typename Leaf::Storage));
+    return;
+  }
+  if (exact > 0.0 && exact < static_cast<double>(std::numeric_limits<float>::min())) {
+    const float pre = 0x1p-64f;
+    const float post = static_cast<float>(exact * 0x1p64);
+    for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store((Leaf::Load(x[k]) * pre) * post);
     return;
   }
   const float scale = s.scale;
@@ -147,8 +157,9 @@ void NormPartial(const ClipCall& call, double* partials, int64_t* leaf_range) {
 }
 
 // Stage 2 (k_grad_norm_final): per-leaf and global sums, norms and decisions.
-void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
-               double* leaf_sumsq, LeafScale* leaf_scale) {
+// Returns the global sum of squares.
+double NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
+                 double* leaf_sumsq, LeafScale* leaf_scale) {
   const int64_t n = call.num_leaves;
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) {
@@ -172,10 +183,12 @@ void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf
   if (n == 0) clipped = global.action != kKeep;
   call.flags[0] = clipped;
   call.flags[1] = all_finite ? 0 : 1;
+  return total;
 }
 
 // Stage 3 (k_grad_scale): scale in place; leaves that are kept are not written.
-void Scale(const ClipCall& call, const LeafScale* leaf_scale) {
+void Scale(const ClipCall& call, const LeafScale* leaf_scale, const double* leaf_sumsq,
+           double total) {
   for (int64_t i = 0; i < call.num_leaves; ++i) {
     const LeafDesc& leaf = call.leaves[i];
     if (leaf.out != leaf.in && leaf.num_elements > 0) {
@@ -183,10 +196,12 @@ void Scale(const ClipCall& call, const LeafScale* leaf_scale) {
     }
     const LeafScale s = leaf_scale[i];
     if (s.action == kKeep || leaf.num_elements == 0) continue;
+    const double sumsq = call.per_tensor ? leaf_sumsq[i] : total;
+    const double exact = static_cast<double>(*call.max_norm) / std::sqrt(sumsq);
     switch (leaf.dtype) {
-      case kF32: ScaleInPlace<F32Leaf>(leaf.out, leaf.num_elements, s); break;
-      case kBF16: ScaleInPlace<BF16Leaf>(leaf.out, leaf.num_elements, s); break;
-      default: ScaleInPlace<F16Leaf>(leaf.out, leaf.num_elements, s); break;
+      case kF32: ScaleInPlace<F32Leaf>(leaf.out, leaf.num_elements, s, exact); break;
+      case kBF16: ScaleInPlace<BF16Leaf>(leaf.out, leaf.num_elements, s, exact); break;
+      default: ScaleInPlace<F16Leaf>(leaf.out, leaf.num_elements, s, exact); break;
     }
   }
 }
@@ -202,8 +217,8 @@ ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
   auto* leaf_sumsq = reinterpret_cast<double*>(call.workspace + call.layout.leaf_sumsq);
   auto* leaf_scale = reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale);
   NormPartial(call, partials, leaf_range);
-  NormFinal(call, partials, leaf_range, leaf_sumsq, leaf_scale);
-  if (call.scale_leaves) Scale(call, leaf_scale);
+  const double total = NormFinal(call, partials, leaf_range, leaf_sumsq, leaf_scale);
+  if (call.scale_leaves) Scale(call, leaf_scale, leaf_sumsq, total);
   return ffi::Error::Success();
 }
 
