@@ -27,7 +27,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from clipjax import _jax_impl
-from clipjax._clip import ClipResult, _check_ffi, _check_options, _flatten, _run
+from clipjax import _ffi
+from clipjax._clip import (ClipResult, _check_ffi, _check_options, _default_platform,
+                           _ffi_supports, _flatten, _run)
 
 _F32 = jnp.float32
 
@@ -156,6 +158,13 @@ def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   Returns (out_shards, global_norm, clipped, nonfinite, leaf_norms[n]); all
   but the shards are the same on every device.
   """
+  if impl == "auto":
+    # Inside shard_map the two branches of a lowering-time choice must agree on which
+    # mesh axes their outputs vary over, and the custom call's outputs carry none; so
+    # "auto" is resolved here, from the platform that runs the shards.
+    use_ffi = (_default_platform() == "cuda" and _ffi.has_handler("cuda")
+               and _ffi_supports(shards))
+    impl = "ffi" if use_ffi else "jax"
   groups: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     groups.setdefault(frozenset(axes), []).append(i)
@@ -176,11 +185,11 @@ def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   zero = on_nonfinite == "zero"
   all_finite = jnp.isfinite(global_norm)
   if mode == "per_tensor":
-    scale, keep, zero_fill = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite)
+    scale, keep, zero_fill, _ = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite)
     out = [_scale_shard(x, scale[i], keep[i], zero_fill) for i, x in enumerate(shards)]
     clipped = jnp.any(~keep)
   else:
-    scale, keep, zero_fill = _jax_impl.decide(global_norm, max_norm, zero, all_finite)
+    scale, keep, zero_fill, _ = _jax_impl.decide(global_norm, max_norm, zero, all_finite)
     out = [_scale_shard(x, scale, keep, zero_fill) for x in shards]
     clipped = ~keep
   return out, global_norm, clipped, ~all_finite, leaf_norms

@@ -1,11 +1,14 @@
 """Sharded gradients: one global norm across devices, with nothing gathered.
 
-The tests need 8 devices. XLA fixes the CPU device count when its backend
-starts, so `test_on_eight_cpu_devices` runs this file again in a subprocess
-with --xla_force_host_platform_device_count=8, where the other tests run
-(here they are skipped). To run them directly:
+The tests run on any even number n >= 2 of devices: a 1-D mesh ("data",) of all n
+and a 2-D mesh ("data", "model") of (n // 2, 2), with leaf shapes made from n. Where
+jax.device_count() is such an n (several GPUs, say), `pytest tests/test_sharded.py`
+runs them there. Otherwise (one device) they are skipped here: XLA fixes the CPU
+device count when its backend starts, so `test_on_cpu_devices` runs this file again
+in two subprocesses, with --xla_force_host_platform_device_count=8 and =2, where they
+run. To run them directly on N (even) CPU devices:
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharded.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=N pytest tests/test_sharded.py
 
 Every result is checked against the whole, unsharded tree: the float64 NumPy
 norm and `clipjax.clip_tree` on one device, with both implementations.
@@ -27,31 +30,62 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import clipjax
 from conftest import f64_norm
 
-_CHILD = "CLIPJAX_TEST_EIGHT_DEVICES"
+_CHILD = "CLIPJAX_TEST_SHARDED_DEVICES"  # set in a subprocess run: its device count
 
 
-def test_on_eight_cpu_devices():
-  if jax.device_count() >= 8:
-    if os.environ.get(_CHILD):
-      pytest.skip("this is the 8-device run")
-    pytest.skip("8 devices already: the tests below run here")
-  if os.environ.get(_CHILD):
-    pytest.fail("--xla_force_host_platform_device_count=8 did not give 8 devices")
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_CHILD: "1"})
+def _runs_here():
+  n = jax.device_count()
+  return n >= 2 and n % 2 == 0
+
+
+@pytest.mark.parametrize("count", [8, 2])
+def test_on_cpu_devices(count):
+  child = os.environ.get(_CHILD)
+  if child:
+    if jax.device_count() != int(child):
+      pytest.fail(f"--xla_force_host_platform_device_count={child} "
+                  f"gave {jax.device_count()} devices")
+    pytest.skip(f"this is the {child}-device run")
+  if _runs_here():
+    pytest.skip(f"{jax.device_count()} devices already: the tests below run here")
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_CHILD: str(count)})
   run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                        env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
 
 
 @pytest.fixture
-def devices8():
-  if jax.device_count() < 8:
-    pytest.skip("needs 8 devices: runs in the subprocess of test_on_eight_cpu_devices")
+def devices():
+  """The device count n, where it is even and at least 2."""
+  if not _runs_here():
+    pytest.skip(f"needs an even number >= 2 of devices, not {jax.device_count()}: runs in "
+                "the subprocesses of test_on_cpu_devices, or set "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+  return jax.device_count()
 
 
 def _mesh(shape, names, axis_type=AxisType.Auto):
   return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _mesh1d():
+  """All n devices on one axis: ("data",) of (n,)."""
+  return _mesh((jax.device_count(),), ("data",))
+
+
+def _mesh2d(axis_type=AxisType.Auto):
+  """("data", "model") of (n // 2, 2)."""
+  return _mesh((jax.device_count() // 2, 2), ("data", "model"), axis_type)
+
+
+def _dims(shape):
+  return "[" + ",".join(map(str, shape)) + "]"
+
+
+def _assert_placed_as(x, mesh, spec):
+  """`x` lies as `spec` says (jit may drop a size-1 axis from its spec, as on (1, 2))."""
+  assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (x.sharding, spec)
 
 
 def _put(tree, mesh, specs):
@@ -96,8 +130,8 @@ def _clip_jitted(tree, max_norm, mesh, specs, impl, **kw):
 # --- the three layouts -----------------------------------------------------------------
 
 
-def test_replicated_tree_data_parallel(devices8, impl):
-  mesh = _mesh((8,), ("data",))
+def test_replicated_tree_data_parallel(devices, impl):
+  mesh = _mesh1d()
   tree = _tree({"w": ((24, 5), jnp.float32), "b": ((7,), jnp.float32)})
   for max_norm in (1.0, 1e3):
     result = _clip_jitted(tree, max_norm, mesh, P(), impl)
@@ -106,9 +140,9 @@ def test_replicated_tree_data_parallel(devices8, impl):
   np.testing.assert_allclose(float(result.global_norm), f64_norm(tree), rtol=1e-6)
 
 
-def test_fsdp_sharded_on_one_axis(devices8, impl):
-  mesh = _mesh((8,), ("data",))
-  tree = _tree({"w": ((64, 16), jnp.float32), "v": ((32,), jnp.bfloat16),
+def test_fsdp_sharded_on_one_axis(devices, impl):
+  mesh, n = _mesh1d(), devices
+  tree = _tree({"w": ((8 * n, 16), jnp.float32), "v": ((4 * n,), jnp.bfloat16),
                 "bias": ((6,), jnp.float32)})
   specs = {"w": P("data"), "v": P("data"), "bias": P()}
   result = _clip_jitted(tree, 1.0, mesh, specs, impl)
@@ -118,9 +152,23 @@ def test_fsdp_sharded_on_one_axis(devices8, impl):
   assert result.updates["w"].sharding.spec == P("data")
 
 
-def test_below_max_norm_passes_bit_for_bit(devices8, impl):
-  mesh = _mesh((8,), ("data",))
-  tree = _tree({"w": ((64, 16), jnp.float32), "v": ((32,), jnp.bfloat16)})
+def test_auto_picks_the_platforms_path_under_jit(devices):
+  # impl="auto" (the default): the custom call on CUDA devices, pure JAX elsewhere.
+  mesh, n = _mesh1d(), devices
+  tree = _tree({"w": ((8 * n, 16), jnp.float32), "v": ((4 * n,), jnp.bfloat16),
+                "bias": ((6,), jnp.float32)})
+  specs = {"w": P("data"), "v": P("data"), "bias": P()}
+  result = _clip_jitted(tree, 1.0, mesh, specs, "auto")
+  _assert_matches_whole_tree(result, tree, 1.0, "jax")
+  clip = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh, specs=specs))
+  hlo = clip.lower(_put(tree, mesh, specs)).as_text()
+  on_cuda = jax.devices()[0].platform == "gpu" and clipjax.ffi_platforms().count("cuda")
+  assert ("clipjax_andrea_clip" in hlo) == bool(on_cuda)
+
+
+def test_below_max_norm_passes_bit_for_bit(devices, impl):
+  mesh, n = _mesh1d(), devices
+  tree = _tree({"w": ((8 * n, 16), jnp.float32), "v": ((4 * n,), jnp.bfloat16)})
   result = _clip_jitted(tree, 1e4, mesh, {"w": P("data"), "v": P("data")}, impl)
   assert not bool(result.clipped)
   for k in tree:
@@ -128,22 +176,22 @@ def test_below_max_norm_passes_bit_for_bit(devices8, impl):
                                   np.asarray(tree[k]).view(np.uint8))
 
 
-def test_2d_mesh_leaves_on_different_axes(devices8, impl):
-  mesh = _mesh((4, 2), ("data", "model"))
-  tree = _tree({"w": ((16, 8), jnp.float32), "e": ((6, 10), jnp.float32),
-                "m": ((8, 3), jnp.float32), "f": ((24,), jnp.bfloat16),
+def test_2d_mesh_leaves_on_different_axes(devices, impl):
+  mesh, d = _mesh2d(), devices // 2
+  tree = _tree({"w": ((4 * d, 8), jnp.float32), "e": ((6, 10), jnp.float32),
+                "m": ((2 * d, 3), jnp.float32), "f": ((6 * d,), jnp.bfloat16),
                 "b": ((5,), jnp.float32)})
   specs = {"w": P("data", "model"), "e": P(None, "model"), "m": P("data"),
            "f": P(("data", "model")), "b": P()}
   result = _clip_jitted(tree, 2.0, mesh, specs, impl)
   _assert_matches_whole_tree(result, tree, 2.0, impl)
   for k in tree:
-    assert result.updates[k].sharding.spec == specs[k]
+    _assert_placed_as(result.updates[k], mesh, specs[k])
 
 
-def test_per_tensor_mode(devices8, impl):
-  mesh = _mesh((4, 2), ("data", "model"))
-  tree = _tree({"big": ((16, 8), jnp.float32), "small": ((8,), jnp.float32)})
+def test_per_tensor_mode(devices, impl):
+  mesh, d = _mesh2d(), devices // 2
+  tree = _tree({"big": ((4 * d, 8), jnp.float32), "small": ((8,), jnp.float32)})
   tree["small"] = tree["small"] * 1e-3
   specs = {"big": P("data", "model"), "small": P("model")}
   result = _clip_jitted(tree, 1.0, mesh, specs, impl, mode="per_tensor")
@@ -153,9 +201,9 @@ def test_per_tensor_mode(devices8, impl):
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e25])
-def test_float32_squares_that_underflow_or_overflow(devices8, impl, scale):
-  mesh = _mesh((8,), ("data",))
-  tree = _tree({"w": ((64, 16), jnp.float32), "b": ((8,), jnp.float32)}, scale=scale)
+def test_float32_squares_that_underflow_or_overflow(devices, impl, scale):
+  mesh, n = _mesh1d(), devices
+  tree = _tree({"w": ((8 * n, 16), jnp.float32), "b": ((8,), jnp.float32)}, scale=scale)
   result = _clip_jitted(tree, 1.0, mesh, {"w": P("data"), "b": P()}, impl)
   np.testing.assert_allclose(float(result.global_norm), f64_norm(tree), rtol=1e-6)
   if scale > 1:
@@ -167,12 +215,16 @@ def test_float32_squares_that_underflow_or_overflow(devices8, impl, scale):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("on_nonfinite", ["propagate", "zero"])
-def test_nonfinite_in_one_shard_reaches_every_device(devices8, impl, bad, on_nonfinite):
-  mesh = _mesh((8,), ("data",))
-  tree = _tree({"w": ((64, 4), jnp.float32), "b": ((3,), jnp.float32)})
-  tree["w"] = tree["w"].at[40, 1].set(bad)  # on the sixth device only
-  result = _clip_jitted(tree, 1.0, mesh, {"w": P("data"), "b": P()}, impl,
-                        on_nonfinite=on_nonfinite)
+def test_nonfinite_in_one_shard_reaches_every_device(devices, impl, bad, on_nonfinite):
+  mesh, n = _mesh1d(), devices
+  tree = _tree({"w": ((8 * n, 4), jnp.float32), "b": ((3,), jnp.float32)})
+  bad_device = min(n // 2 + 1, n - 1)  # not the first: the sixth of 8, the second of 2
+  tree["w"] = tree["w"].at[8 * bad_device, 1].set(bad)
+  specs = {"w": P("data"), "b": P()}
+  placed = _put(tree, mesh, specs)
+  assert [s.device for s in placed["w"].addressable_shards
+          if not np.isfinite(np.asarray(s.data)).all()] == [mesh.devices[bad_device]]
+  result = _clip_jitted(placed, 1.0, mesh, specs, impl, on_nonfinite=on_nonfinite)
   ref = clipjax.clip_tree(tree, 1.0, impl=impl, on_nonfinite=on_nonfinite)
   assert bool(result.nonfinite) and bool(result.clipped)
   np.testing.assert_array_equal(float(result.global_norm), float(ref.global_norm))
@@ -198,30 +250,35 @@ def _collectives(hlo):
   return found
 
 
-def test_compiled_hlo_has_no_all_gather(devices8, impl):
-  mesh = _mesh((4, 2), ("data", "model"))
-  tree = _tree({"w": ((96, 40), jnp.float32), "e": ((20, 56), jnp.bfloat16),
+def test_compiled_hlo_has_no_all_gather(devices, impl):
+  mesh, d = _mesh2d(), devices // 2
+  tree = _tree({"w": ((24 * d, 40), jnp.float32), "e": ((20, 56), jnp.bfloat16),
                 "b": ((9,), jnp.float32)})
   specs = {"w": P("data", "model"), "e": P(None, "model"), "b": P()}
+  shard = {k: NamedSharding(mesh, specs[k]).shard_shape(tree[k].shape) for k in tree}
   clip = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh, specs=specs, impl=impl))
   hlo = clip.lower(_put(tree, mesh, specs)).compile().as_text()
   collectives = _collectives(hlo)
   assert collectives and {op for op, _ in collectives} == {"all-reduce"}, collectives
-  assert all(size <= len(tree) for _, size in collectives), collectives
+  # A few floats per leaf (its norm, and the group's; XLA may merge the pmax and the psum
+  # into one all-reduce): nothing gradient-sized.
+  assert all(size <= 2 * (len(tree) + 1) for _, size in collectives), collectives
   # Only shards are ever materialised: no buffer has a sharded leaf's whole shape.
-  assert "[96,40]" not in hlo and "[20,56]" not in hlo
+  for k in ("w", "e"):
+    assert shard[k] != tree[k].shape, (k, shard[k])
+    assert _dims(tree[k].shape) not in hlo, k
   if impl == "ffi":
     assert 'custom_call_target="clipjax_andrea_clip"' in hlo
-    assert "f32[24,20]" in hlo and "bf16[20,28]" in hlo
+    assert "f32" + _dims(shard["w"]) in hlo and "bf16" + _dims(shard["e"]) in hlo
 
 
 # --- inside a training step -----------------------------------------------------------------
 
 
-def test_andrea_clip_with_mesh_in_a_jitted_adamw_step(devices8, impl):
-  mesh = _mesh((4, 2), ("data", "model"))
-  params = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=1)
-  grads = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=2)
+def test_andrea_clip_with_mesh_in_a_jitted_adamw_step(devices, impl):
+  mesh, d = _mesh2d(), devices // 2
+  params = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=1)
+  grads = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=2)
   specs = {"w": P("data", "model"), "b": P()}
 
   def run(tx, params, grads):
@@ -241,13 +298,13 @@ def test_andrea_clip_with_mesh_in_a_jitted_adamw_step(devices8, impl):
   assert bool(clipjax.clip_state(got_state).clipped)
   for k in params:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
-    assert got[k].sharding.spec == specs[k]
+    _assert_placed_as(got[k], mesh, specs[k])
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_inside_a_users_own_shard_map(devices8, impl, check_vma):
-  mesh = _mesh((4, 2), ("data", "model"))
-  tree = _tree({"w": ((16, 8), jnp.float32), "m": ((8, 3), jnp.float32),
+def test_inside_a_users_own_shard_map(devices, impl, check_vma):
+  mesh, d = _mesh2d(), devices // 2
+  tree = _tree({"w": ((4 * d, 8), jnp.float32), "m": ((2 * d, 3), jnp.float32),
                 "b": ((5,), jnp.float32)})
   specs = {"w": P("data", "model"), "m": P("data"), "b": P()}
   tx = clipjax.andrea_clip(1.0, impl=impl, specs=specs)
@@ -268,14 +325,15 @@ def test_inside_a_users_own_shard_map(devices8, impl, check_vma):
     np.testing.assert_array_equal(updates[k], clipped[k])
 
 
-def test_specs_read_from_the_arrays(devices8, impl):
-  tree = _tree({"w": ((16, 8), jnp.float32), "b": ((8,), jnp.float32)})
+def test_specs_read_from_the_arrays(devices, impl):
+  d = devices // 2
+  tree = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)})
   specs = {"w": P("data", "model"), "b": P()}
   # Concrete arrays carry their NamedSharding (here on Auto axes).
-  auto = _put(tree, _mesh((4, 2), ("data", "model")), specs)
+  auto = _put(tree, _mesh2d(), specs)
   _assert_matches_whole_tree(clipjax.sharded_clip_tree(auto, 1.0, impl=impl), tree, 1.0, impl)
   # Inside jit the types carry it on a mesh with Explicit axes.
-  explicit = _put(tree, _mesh((4, 2), ("data", "model"), AxisType.Explicit), specs)
+  explicit = _put(tree, _mesh2d(AxisType.Explicit), specs)
   result = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, impl=impl))(explicit)
   _assert_matches_whole_tree(result, tree, 1.0, impl)
   assert result.updates["w"].sharding.spec == P("data", "model")
@@ -284,8 +342,8 @@ def test_specs_read_from_the_arrays(devices8, impl):
 # --- bad input -----------------------------------------------------------------------------
 
 
-def test_bad_specs_are_named(devices8):
-  mesh = _mesh((8,), ("data",))
+def test_bad_specs_are_named(devices):
+  mesh = _mesh1d()
   tree = {"w": jnp.ones((8, 2)), "b": jnp.ones((3,))}
   with pytest.raises(ValueError, match="specs"):
     clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh, specs={"w": P("data")})
