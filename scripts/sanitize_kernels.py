@@ -1,0 +1,92 @@
+"""The custom call alone, on trees that reach every path of its kernels; for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py
+
+Inputs are placed with device_put and read back with NumPy, and every reference is computed
+on the host in float64, so the only GPU kernels that run are clipjax's three (and XLA's
+small copies): the sanitizer checks ours, not XLA's. Each case prints a line; the exit
+status is 1 if any result is wrong. Runs on a CPU too (the custom call's CPU handler).
+"""
+
+import sys
+
+import jax
+import numpy as np
+
+import clipjax
+
+F32 = np.float32
+DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16}
+
+
+def leaves_of(rng, spec):
+  """[(shape, dtype, scale)] -> NumPy leaves."""
+  return [(scale * rng.standard_normal(shape)).astype(DTYPES[dtype])
+          for shape, dtype, scale in spec]
+
+
+def f64_sumsq(x):
+  v = np.asarray(x, np.float64).reshape(-1)
+  return float(np.dot(v, v))
+
+
+CASES = {
+    "mixed dtypes": [((1000, 3), "f32", 1.0), ((33333,), "bf16", 1.0), ((4097,), "f16", 1.0)],
+    "odd sizes": [((n,), "f16", 1.0) for n in (1, 3, 7, 32767, 32769, 65535, 0, 99991)]
+                 + [((5, 0), "f32", 1.0)],
+    "one big leaf": [((3_000_001,), "f32", 0.01)],
+    "1100 leaves (two tables)": [(((i * 37) % 200 + 1,), "bf16" if i % 3 else "f32", 1.0)
+                                 for i in range(1100)],
+    "below max_norm": [((70000,), "f32", 1e-5), ((123,), "bf16", 1e-5)],
+}
+
+
+def check(name, leaves, max_norm=1.0, **kw):
+  per_tensor = kw.get("mode") == "per_tensor"
+  sumsq = [f64_sumsq(x) for x in leaves]
+  norm = np.sqrt(sum(sumsq))
+  clip = jax.jit(lambda t: clipjax.clip_tree(t, max_norm, impl="ffi", **kw), donate_argnums=0)
+  res = clip([jax.device_put(x) for x in leaves])
+  got = [np.asarray(y) for y in res.updates]
+  errors = []
+  if np.isfinite(norm) and abs(float(res.global_norm) - norm) > 1e-6 * norm:
+    errors.append(f"norm {float(res.global_norm)!r} vs float64 {norm!r}")
+  for i, (x, y) in enumerate(zip(leaves, got)):
+    n = np.sqrt(sumsq[i]) if per_tensor else norm
+    if kw.get("on_nonfinite") == "zero" and not np.isfinite(norm):
+      want = np.zeros_like(x)
+    elif n <= max_norm:
+      want = x
+    else:
+      with np.errstate(invalid="ignore"):  # inf * 0: NaN, as the clip gives it
+        want = (x.astype(F32) * F32(max_norm / n)).astype(x.dtype)
+    tol = float(np.finfo(F32).eps) * 2 if x.dtype == np.float32 else 1e-2
+    a, b = np.asarray(y, np.float64), np.asarray(want, np.float64)
+    same_nan = np.isnan(a) == np.isnan(b)
+    close = np.isclose(a, b, rtol=tol, atol=0) | (np.isnan(a) & np.isnan(b))
+    if not (same_nan.all() and close.all()):
+      errors.append(f"leaf {i}: {int((~close).sum())} of {x.size} elements wrong")
+  print(f"{'ok  ' if not errors else 'FAIL'} {name}" + ("" if not errors else ": " + "; ".join(
+      errors[:3])), flush=True)
+  return not errors
+
+
+def main():
+  rng = np.random.default_rng(0)
+  ok = True
+  for name, spec in CASES.items():
+    ok &= check(name, leaves_of(rng, spec))
+  per_tensor = leaves_of(rng, [((50000,), "f32", 0.02), ((300,), "bf16", 0.02), ((7, 7), "f16", 1)])
+  ok &= check("per tensor", per_tensor, mode="per_tensor")
+  for bad in (np.nan, np.inf):
+    leaves = leaves_of(rng, [((70000,), "f32", 1.0), ((100,), "bf16", 1.0)])
+    leaves[0][65536] = bad
+    ok &= check(f"{bad} propagates", leaves)
+    ok &= check(f"{bad} zero-fills", leaves, on_nonfinite="zero")
+  print("all cases pass" if ok else "SOME CASES FAILED", flush=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
