@@ -45,6 +45,9 @@ class TrainConfig:
   cache_dir: str | None = None  # default: ~/.cache/clipjax
   resume: bool = False
   stop_after_step: int | None = None  # end this run early, as if interrupted
+  # Wall-clock budget: the run ends (and reports) after the step during which it runs out.
+  # The schedule still spans `steps`, so such a run is the head of the planned one.
+  time_limit_s: float | None = None
   num_samples: int = 3
   sample_tokens: int = 96
   sample_temperature: float = 0.8
@@ -103,6 +106,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   if cfg.stop_after_step is not None and not 1 <= cfg.stop_after_step <= cfg.steps:
     raise ConfigError(f"--stop-after-step must be in [1, {cfg.steps}], "
                       f"got {cfg.stop_after_step}")
+  if cfg.time_limit_s is not None and not cfg.time_limit_s > 0:
+    raise ConfigError(f"--time-limit-s must be > 0, got {cfg.time_limit_s}")
   try:
     bandit.weights_from_rewards(np.zeros(len(corpus.SOURCE_NAMES)), cfg.bandit_config)
   except ValueError as e:
@@ -167,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help="continue from the latest checkpoint in --out-dir")
   p.add_argument("--stop-after-step", type=int,
                  help="stop (after a checkpoint) at this step, as if interrupted")
+  p.add_argument("--time-limit-s", type=float,
+                 help="end the run, with its report and samples, once this many seconds "
+                      "have passed (the schedule still spans --steps)")
   p.add_argument("--num-samples", type=int, default=d.num_samples,
                  help="samples generated at the end (default: %(default)s)")
   p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,

@@ -26,7 +26,7 @@ import train_gpt
 TRAIN_FLAGS = {
     "batch_size": int, "context_length": int, "peak_lr": float, "warmup_steps": int,
     "vocab_size": int, "max_source_mb": float, "num_samples": int, "sample_tokens": int,
-    "dtype": str, "cache_dir": str,
+    "dtype": str, "cache_dir": str, "time_limit_s": float,
 }
 
 

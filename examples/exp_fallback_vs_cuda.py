@@ -69,6 +69,9 @@ def compare(ref_records: list[dict], other_records: list[dict]) -> dict:
   norm_ref, norm = (exp_common.column(r, "grad_norm") for r in (ref_records, other_records))
   loss_ref, loss = (exp_common.column(r, "loss") for r in (ref_records, other_records))
   clip_ref, clip = (exp_common.column(r, "clipped") > 0 for r in (ref_records, other_records))
+  n = min(len(norm_ref), len(norm))  # the common steps, should a run have ended early
+  norm_ref, norm, loss_ref, loss, clip_ref, clip = (
+      x[:n] for x in (norm_ref, norm, loss_ref, loss, clip_ref, clip))
   rel_S = np.abs(norm - norm_ref) / np.abs(norm_ref)
   loss_diff_S = np.abs(loss - loss_ref)
   mismatch = np.flatnonzero(clip_ref != clip) + 1
@@ -93,18 +96,20 @@ def plot_equivalence(path, name, impls, runs, max_norm):
   fig, (ax_loss, ax_norm, ax_diff) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
   fig.suptitle(f"{name}: andrea_clip impl " + " vs ".join(impls) + ", same seed and data")
   for impl, style in zip(impls, ("-", "--", ":")):
-    ax_loss.plot(step_S, exp_common.column(runs[impl], "loss"), ls=style, lw=1, label=impl)
-    ax_norm.semilogy(step_S, exp_common.column(runs[impl], "grad_norm"), ls=style, lw=1,
-                     label=impl)
+    loss_S = exp_common.column(runs[impl], "loss")
+    ax_loss.plot(np.arange(1, len(loss_S) + 1), loss_S, ls=style, lw=1, label=impl)
+    norm_S = exp_common.column(runs[impl], "grad_norm")
+    ax_norm.semilogy(np.arange(1, len(norm_S) + 1), norm_S, ls=style, lw=1, label=impl)
   ax_norm.axhline(max_norm, color="tab:red", lw=0.8, ls="--", label=f"max_norm {max_norm:g}")
   ref = impls[0]
   for impl in impls[1:]:
     d = compare(runs[ref], runs[impl])
-    ax_diff.semilogy(step_S, np.maximum(d["norm_rel_diff_per_step"], 1e-12), lw=0.8,
+    n = d["steps"]
+    ax_diff.semilogy(step_S[:n], np.maximum(d["norm_rel_diff_per_step"], 1e-12), lw=0.8,
                      label=f"|norm {impl} - {ref}| / norm {ref}")
-    loss_diff = np.abs(exp_common.column(runs[impl], "loss") -
-                       exp_common.column(runs[ref], "loss"))
-    ax_diff.semilogy(step_S, np.maximum(loss_diff, 1e-12), lw=0.8,
+    loss_diff = np.abs(exp_common.column(runs[impl], "loss")[:n] -
+                       exp_common.column(runs[ref], "loss")[:n])
+    ax_diff.semilogy(step_S[:n], np.maximum(loss_diff, 1e-12), lw=0.8,
                      label=f"|loss {impl} - {ref}|")
   ax_loss.set_ylabel("training loss")
   ax_norm.set_ylabel("pre-clip global norm")

@@ -113,7 +113,9 @@ def analyse(run: dict, args) -> dict:
   return {
       "config": settings["config"], "recipe": settings["recipe"], "seed": settings["seed"],
       "clip_mode": settings["clip_mode"], "max_norm": settings["max_norm"],
-      "steps": len(step_S), "warmup_steps": settings["warmup_steps"],
+      "steps": len(step_S), "planned_steps": settings.get("steps") or len(step_S),
+      "stopped_by_time_limit": bool(summary.get("stopped_by_time_limit")),
+      "warmup_steps": settings["warmup_steps"],
       "phases": len(exp_common.boundaries(records)) + 1,
       "tokens_per_step": settings["batch_size"] * settings["context_length"],
       "initial_loss": float(loss_S[0]),
@@ -241,7 +243,7 @@ def write_report(env, by_run: dict, args) -> str:
   for name, a in by_run.items():
     rep = a["repetition"]
     rows.append([
-        name, a["steps"], f"{a['initial_loss']:.3f} -> {exp_common.fmt(a['final_loss'], 4)}"
+        name, _steps_cell(a), f"{a['initial_loss']:.3f} -> {exp_common.fmt(a['final_loss'], 4)}"
         + (f" (non-finite at {a['first_nonfinite_step']})" if a["first_nonfinite_step"] else ""),
         f"{a['largest_norm']:.3g} ({a['largest_norm_step']})", f"{a['median_norm']:.3g}",
         f"{a['spikes']} ({a['spikes_near_boundary']} / {a['expected_near_if_uniform']:.1f} / "
@@ -278,6 +280,13 @@ def write_report(env, by_run: dict, args) -> str:
       lines.append(f"{name}: distinct_2 {s['distinct_2']:.2f}, repeat_4 {s['repeat_4']:.2f}, "
                    f"top_token_share {s['top_token_share']:.2f}\n```\n{text}\n```\n")
   return "\n".join(lines) + "\n"
+
+
+def _steps_cell(a) -> str:
+  if a["steps"] == a["planned_steps"]:
+    return str(a["steps"])
+  why = " (time limit)" if a["stopped_by_time_limit"] else ""
+  return f"{a['steps']} of {a['planned_steps']}{why}"
 
 
 def _recipe_sentence(cfg, v1, v2) -> str:
@@ -334,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
   if not args.report_only:
     for cfg, variant in planned:
       exp_common.run_training(exp_common.base_config(
-          args, cfg, steps=args.steps, clip_impl=args.clip_impl, out_dir=os.path.join(args.out_dir, f"{cfg}-{variant}"),
-          **VARIANTS[variant]), env)
+          args, cfg, steps=args.steps, clip_impl=args.clip_impl,
+          out_dir=os.path.join(args.out_dir, f"{cfg}-{variant}"), **VARIANTS[variant]), env)
   runs = {}
   for cfg in config.PRESETS:
     for variant in VARIANTS:

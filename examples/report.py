@@ -89,6 +89,8 @@ def mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
 def _smooth(values: np.ndarray) -> np.ndarray:
   """Centred moving average over about 1/25 of the run, skipping missing (NaN) values."""
   width = max(3, len(values) // 25) | 1
+  if width > len(values):  # a short run (one stopped early): at most its own length, odd
+    width = max(1, len(values) - 1 + len(values) % 2)
   finite = np.isfinite(values)
   kernel = np.ones(width)
   sums = np.convolve(np.where(finite, values, 0.0), kernel, mode="same")

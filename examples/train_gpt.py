@@ -181,6 +181,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     bar.update(1)
     bar.set_postfix(loss=f"{m['loss']:.3f}", gnorm=f"{m['grad_norm']:.2f}", phase=phase)
 
+  stopped_at = None
   try:
     for step in range(step_done + 1, last_step + 1):
       phase = bisect.bisect_right(phase_starts, step) - 1
@@ -202,10 +203,17 @@ def train(cfg: TrainConfig) -> list[dict]:
           params, opt_state, tokens_BxL1, source_B, jnp.int32(step))
       flush()  # the previous step's metrics, while this step runs
       pending = (step, phase, metrics)
-      if step % cfg.checkpoint_every == 0 or step == last_step:
+      out_of_time = (cfg.time_limit_s is not None
+                     and time.perf_counter() - started > cfg.time_limit_s)
+      if step % cfg.checkpoint_every == 0 or step == last_step or out_of_time:
         flush()
         checkpoints.save(step, params, opt_state, {
             "step": step, "bandit": bandit_state.to_json(), "identity": identity})
+      if out_of_time and step < last_step:
+        stopped_at = step
+        _log(bar, f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
+             f"of {cfg.steps}")
+        break
   finally:
     prefetcher.close()
     checkpoints.close()
@@ -213,15 +221,16 @@ def train(cfg: TrainConfig) -> list[dict]:
     bar.close()
 
   if last_step == cfg.steps:
-    _finish(cfg, records, graphdef, params, tokenizer, started)
+    _finish(cfg, records, graphdef, params, tokenizer, started, stopped_at)
   return records
 
 
-def _finish(cfg, records, graphdef, params, tokenizer, started) -> None:
+def _finish(cfg, records, graphdef, params, tokenizer, started, stopped_at=None) -> None:
   """Writes report.png, samples.txt and summary.json into the run directory."""
   steps = [r for r in records if r["kind"] == "step"]
   summary = {
-      "config": cfg.config, "recipe": cfg.recipe, "steps": cfg.steps,
+      "config": cfg.config, "recipe": cfg.recipe, "steps": len(steps),
+      "planned_steps": cfg.steps, "stopped_by_time_limit": stopped_at is not None,
       "initial_loss": steps[0]["loss"],
       "final_loss": float(np.mean([r["loss"] for r in steps[-10:]])),
       "clipped_steps": sum(r["clipped"] for r in steps),
@@ -253,7 +262,7 @@ def _finish(cfg, records, graphdef, params, tokenizer, started) -> None:
     json.dump(summary, f, indent=2)
   repetition = ", ".join(f"{k} {v:.2f}" for k, v in summary.get("repetition", {}).items())
   print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
-        f"last 10 steps); {summary['clipped_steps']} of {cfg.steps} steps clipped; "
+        f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped; "
         f"samples: {repetition or 'none'}; files in {cfg.out_dir}")
 
 

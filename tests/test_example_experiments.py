@@ -119,7 +119,8 @@ def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
   assert 0 <= runs["tiny-v2"]["clipped_share"] <= 1
   assert runs["tiny-v2-per-tensor"]["clip_mode"] == "per_tensor"
   for a in runs.values():
-    assert a["steps"] == 12 and len(a["samples"]) == 1
+    assert a["steps"] == a["planned_steps"] == 12 and len(a["samples"]) == 1
+    assert a["stopped_by_time_limit"] is False
     assert set(a["repetition"]) == {"distinct_2", "repeat_4", "top_token_share"}
   report = (out / "report.md").read_text()
   assert "tiny, global vs per-tensor clipping" in report

@@ -151,6 +151,22 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, cache_di
     assert a == b
 
 
+def test_time_limit_ends_the_run_with_its_report(tmp_path, cache_dir):
+  # A limit that has passed before step 1 ends: one step, then samples and summary.
+  cfg = tiny(tmp_path, cache_dir, steps=20, time_limit_s=1e-9, num_samples=1, sample_tokens=4,
+             plot=True)
+  records = train_gpt.train(cfg)
+  assert [r["step"] for r in steps_of(records)] == [1]
+  with open(tmp_path / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["steps"] == 1 and summary["planned_steps"] == 20
+  assert summary["stopped_by_time_limit"] is True and len(summary["samples"]) == 1
+  assert (tmp_path / "report.png").stat().st_size > 0
+  # The run stopped after a checkpoint: --resume continues it to the planned end.
+  resumed = train_gpt.train(dataclasses.replace(cfg, time_limit_s=None, resume=True))
+  assert len(steps_of(resumed)) == 20
+
+
 def test_resume_with_other_settings_is_refused(tmp_path, cache_dir):
   cfg = tiny(tmp_path, cache_dir, steps=4)
   train_gpt.train(dataclasses.replace(cfg, stop_after_step=2))
@@ -170,6 +186,7 @@ def test_resume_with_other_settings_is_refused(tmp_path, cache_dir):
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--batch-size", "-4"], "--batch-size must be > 0, got -4"),
     (["--steps", "10", "--stop-after-step", "11"], r"--stop-after-step must be in \[1, 10\]"),
+    (["--time-limit-s", "0"], "--time-limit-s must be > 0, got 0"),
     (["--bandit-floor", "0.5"], r"--bandit-floor: bandit floor must be in \(0, 1/3\)"),
     (["--source", "wiki=x.txt"], "unknown source 'wiki'"),
     (["--source", "gutenberg=/no/such/dir/*.txt"],
