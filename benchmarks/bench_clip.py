@@ -931,6 +931,7 @@ def main(argv=None):
   log(f"{meta['device']} ({meta['backend']}): jax {meta['jax']}, optax {meta['optax']}, "
       f"clipjax {meta['clipjax']}, torch {meta['torch']}")
   out = args.out or (None if args.quick else default_out_path(meta))
+  args.out_path = out
   results = {"meta": meta, "models": {}, "clip": [], "step": []}
 
   copy_bytes = COPY_BYTES if not args.quick else 1 << 24
@@ -1008,12 +1009,14 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
           + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
     results["clip"].append(dict(base, table="clip", impl=impl,
                                 framework="torch" if impl == "torch" else "jax", **r))
+    save_partial(results, args)
   if args.no_step:
     return
   step_base = dict(base, table="step", fused_floor_us=floors["noclip"])
   for variant in (["adamw"] if with_adamw else []) + [i for i in impls if i != "torch"]:
     r = bench_jax_step(fns, variant, case, regime, args)
     results["step"].append(dict(step_base, impl=variant, framework="jax", **r))
+    save_partial(results, args)
     log(f"  step {regime:6s} {LABELS.get(variant, variant):16s} in-jit "
         f"{r['us_injit']:9.1f} us  device {_num(r.get('us_device'), 9)} us  "
         f"per call {r['us_call']:9.1f} us  "
@@ -1022,7 +1025,14 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
   if "torch" in impls:
     for variant, r in bench_torch_step(torch, case, regime, args).items():
       results["step"].append(dict(step_base, impl=variant, framework="torch", **r))
+      save_partial(results, args)
       log(f"  step {regime:6s} torch {variant:10s} per call {r['us_call']:9.1f} us")
+
+
+def save_partial(results, args):
+  """Writes what is measured so far, so that a run stopped from outside still leaves JSON."""
+  if getattr(args, "out_path", None):
+    save(results, args.out_path, complete=False)
 
 
 def log_case(case):
