@@ -226,13 +226,9 @@ def seconds_per_call(fresh, call, calls, repeats, warmup=WARMUP_CALLS, profile=T
   return out
 
 
-def gpu_busy_seconds(run):
-  """Seconds the GPU was busy while `run()` ran, from a profiler trace.
-
-  The union of the activity intervals on the GPU planes' stream lines (kernels and copies):
-  idle gaps between launches do not count. None if the trace has no such lines.
-  """
-  trace_dir = tempfile.mkdtemp(prefix="bench_clip_trace_")
+def traced_gpu_planes(run, prefix):
+  """Runs `run()` under the profiler and returns the GPU planes of its trace ([] if none)."""
+  trace_dir = tempfile.mkdtemp(prefix=prefix)
   try:
     jax.profiler.start_trace(trace_dir)
     try:
@@ -241,26 +237,39 @@ def gpu_busy_seconds(run):
       jax.profiler.stop_trace()
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
-      return None
-    lines = [line for plane in jax.profiler.ProfileData.from_file(files[0]).planes
-             if plane.name.startswith("/device:GPU") for line in plane.lines]
+      return []
+    return [plane for plane in jax.profiler.ProfileData.from_file(files[0]).planes
+            if plane.name.startswith("/device:GPU")]
+  finally:
+    shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def busy_seconds(lines):
+  """The union of the activity intervals on the stream lines among `lines` (kernels and
+  copies as the GPU ran them), in seconds; idle gaps between launches do not count.
+  "XLA Ops" (derived from the streams) serves if there are no stream lines; never "XLA
+  Modules", whose spans include the gaps. None if there is no activity."""
+  chosen = ([line for line in lines if line.name.startswith("Stream")]
+            or [line for line in lines if line.name == "XLA Ops"])
+  intervals = [(e.start_ns, e.start_ns + e.duration_ns) for line in chosen
+               for e in line.events]
+  busy, end = 0.0, -math.inf
+  for start, stop in sorted(intervals):
+    busy += max(0.0, stop - max(start, end))
+    end = max(end, stop)
+  return busy / 1e9 if intervals else None
+
+
+def gpu_busy_seconds(run):
+  """Seconds the GPU was busy while `run()` ran, from a profiler trace (None if unknown)."""
+  try:
+    lines = [line for plane in traced_gpu_planes(run, "bench_clip_trace_")
+             for line in plane.lines]
     PROFILER_LINES.update(line.name for line in lines)
-    # Stream lines hold the kernels and copies as the GPU ran them; "XLA Ops" is derived
-    # from them. Not "XLA Modules": a module's span includes the gaps between its launches.
-    chosen = ([line for line in lines if line.name.startswith("Stream")]
-              or [line for line in lines if line.name == "XLA Ops"])
-    intervals = [(e.start_ns, e.start_ns + e.duration_ns) for line in chosen
-                 for e in line.events]
-    busy, end = 0.0, -math.inf
-    for start, stop in sorted(intervals):
-      busy += max(0.0, stop - max(start, end))
-      end = max(end, stop)
-    return busy / 1e9 if intervals else None
+    return busy_seconds(lines)
   except Exception as e:  # noqa: BLE001 - the device column is a bonus; say why it is empty
     PROFILER_LINES.add(f"error: {type(e).__name__}: {e}"[:200])
     return None
-  finally:
-    shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 PROFILER_LINES: set = set()  # line names seen on GPU planes, kept in the JSON for checking

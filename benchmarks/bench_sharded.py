@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import json
 import math
 import os
 import platform
 import re
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_clip  # noqa: E402  (sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless set)
 from bench_clip import (  # noqa: E402
     COPY_BYTES, DTYPES, EXPECTED_COUNTS, MODELS, NORM_RATIO, REGIMES, WARMUP_CALLS, _num,
-    choices, f32_norm, gpt_grad_spec, jax_copy_bandwidth, max_norm_schedule, package_version,
-    regime_holds, seconds_per_call)
+    busy_seconds, choices, f32_norm, gpt_grad_spec, jax_copy_bandwidth, max_norm_schedule,
+    package_version, regime_holds, seconds_per_call, traced_gpu_planes)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -271,37 +268,16 @@ def run_checks(layout, dtype, impls, ref_norm, andrea_impl):
 
 
 def gpu_busy_by_device(run):
-  """{GPU plane: seconds busy} while `run()` ran (bench_clip.gpu_busy_seconds, per device)."""
-  trace_dir = tempfile.mkdtemp(prefix="bench_sharded_trace_")
+  """{GPU plane: seconds busy} while `run()` ran (bench_clip.busy_seconds, per device)."""
   try:
-    jax.profiler.start_trace(trace_dir)
-    try:
-      run()
-    finally:
-      jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not files:
-      return {}
     busy = {}
-    for plane in jax.profiler.ProfileData.from_file(files[0]).planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      lines = list(plane.lines)
-      chosen = ([x for x in lines if x.name.startswith("Stream")]
-                or [x for x in lines if x.name == "XLA Ops"])
-      intervals = sorted((e.start_ns, e.start_ns + e.duration_ns) for x in chosen
-                         for e in x.events)
-      total, end = 0.0, -math.inf
-      for start, stop in intervals:
-        total += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-      if intervals:
-        busy[plane.name] = total / 1e9
+    for plane in traced_gpu_planes(run, "bench_sharded_trace_"):
+      seconds = busy_seconds(list(plane.lines))
+      if seconds is not None:
+        busy[plane.name] = seconds
     return busy
   except Exception as e:  # noqa: BLE001 - the device column is a bonus; say why it is empty
     return {"error": f"{type(e).__name__}: {e}"[:200]}
-  finally:
-    shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def time_clip(fn, layout, regime, norm0, K, cfg):

@@ -37,3 +37,16 @@ def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   assert "correctness: PASS" in stdout
   assert results["meta"]["device_count"] == 2 and results["meta"]["passed"] is True
   assert {row["impl"] for row in results["rows"]} >= {"andrea", "optax", "single"}
+
+
+def test_busy_seconds_is_the_union_of_stream_activity():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_clip  # noqa: PLC0415
+  from types import SimpleNamespace as NS
+  ev = lambda start, dur: NS(start_ns=start, duration_ns=dur)
+  streams = [NS(name="Stream #1", events=[ev(0, 100), ev(50, 100)]),  # overlap: 0..150
+             NS(name="Stream #2", events=[ev(300, 50)]),
+             NS(name="XLA Modules", events=[ev(0, 10_000)])]            # spans gaps: ignored
+  assert bench_clip.busy_seconds(streams) == 200e-9
+  assert bench_clip.busy_seconds([NS(name="XLA Ops", events=[ev(0, 40)])]) == 40e-9
+  assert bench_clip.busy_seconds([NS(name="XLA Modules", events=[ev(0, 40)])]) is None
