@@ -419,7 +419,7 @@ def jax_copy_bandwidth(n_bytes, calls, repeats):
 def bench_jax_clip(fns, impl, case, regime, cfg):
   """One clip in one regime: in-jit (K clips per jitted call), and one clip per call."""
   fn, seeds = fns.clip(impl), [100 + i for i in range(case.rotation)]
-  K = {"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps)
+  K = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps), case, cfg)
   norm0 = min(float(f32_norm(case.random_tree(s))) for s in seeds)
   example = [case.random_tree(s) for s in seeds]
   out = {"reps": K,
@@ -454,6 +454,21 @@ def bench_jax_clip(fns, impl, case, regime, cfg):
     del timing
   out["regime_ok"] = ok
   return out
+
+
+# K is given for gpt120m f32 (395 MB). A smaller tree gets a proportionally larger K, up to
+# MAX_REPS_SCALE times, so that a jitted call holds as much GPU work: otherwise its host
+# dispatch (about 2 ms for 200 donated arrays) outlasts the GPU's part and the in-jit time
+# measures the host. On an H200, gpt12m f32 at K = 10 took 2.2 ms per call for 0.65 ms
+# of kernels, and optax at K = 4 2.4 ms for 1.5 ms.
+REPS_REFERENCE_BYTES = 98_820_096 * 4
+MAX_REPS_SCALE = 8
+
+
+def scaled_reps(K, case, cfg):
+  if cfg.no_scale_reps or case.grad_bytes >= REPS_REFERENCE_BYTES:
+    return K
+  return K * min(MAX_REPS_SCALE, math.ceil(REPS_REFERENCE_BYTES / case.grad_bytes))
 
 
 def record(out, key, timing, per_call):
@@ -848,6 +863,10 @@ def parse_args(argv=None):
   p.add_argument("--jax-reps", type=int, default=2,
                  help="K for andrea_clip(impl='jax') (its compile time grows faster than K)")
   p.add_argument("--step-reps", type=int, default=1, help="optimizer steps per jitted call")
+  p.add_argument("--no-scale-reps", action="store_true",
+                 help="keep K as given for every shape (default: a tree smaller than gpt120m "
+                      "f32 gets K times the size ratio, at most 8 times, so the GPU, not the "
+                      "host, bounds a call)")
   p.add_argument("--iters", type=int, default=10, help="jitted calls per timed round")
   p.add_argument("--step-iters", type=int, default=10, help="the same, for the full step")
   p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is reported")
@@ -873,7 +892,7 @@ def parse_args(argv=None):
     args.models = args.models or "tiny"
     args.reps, args.optax_reps, args.jax_reps, args.step_reps = 3, 3, 2, 2
     args.iters, args.step_iters, args.repeats = 2, 2, 2
-    args.rotate_bytes, args.max_seconds = 0, 0
+    args.rotate_bytes, args.max_seconds, args.no_scale_reps = 0, 0, True
   args.models = choices(p, "--models", args.models or "gpt120m,gpt12m", MODELS)
   args.dtypes = choices(p, "--dtypes", args.dtypes, DTYPES)
   args.regimes = choices(p, "--regimes", args.regimes, REGIMES)
