@@ -18,8 +18,10 @@ _FAST_SUMSQ_MIN = 2.0**-60
 
 
 def _as_f32(x):
+  """x as float32 for the norm; a complex leaf as its real and imaginary parts (so that
+  |z| above the float32 range does not overflow where its parts do not)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.abs(x).astype(_F32)
+    return jnp.stack([jnp.real(x), jnp.imag(x)]).astype(_F32)
   return x.astype(_F32)
 
 
@@ -92,9 +94,12 @@ def norms(leaves, *, per_leaf_exact: bool):
 
 
 def _scale_leaf(x, scale, keep, zero_fill, pre=None):
-  x32 = _as_f32(x) if pre is None else _as_f32(x) * pre
-  scaled = (x32 * scale).astype(x.dtype) if not jnp.issubdtype(
-      x.dtype, jnp.complexfloating) else (x * scale.astype(x.dtype))
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    xs = x if pre is None else x * pre.astype(x.dtype)
+    scaled = xs * scale.astype(x.dtype)
+  else:
+    x32 = _as_f32(x) if pre is None else _as_f32(x) * pre
+    scaled = (x32 * scale).astype(x.dtype)
   out = jnp.where(keep, x, scaled)
   return jnp.where(zero_fill, jnp.zeros_like(x), out)
 

@@ -71,6 +71,10 @@ def test_ffi_rejects_complex_leaves_by_name_but_auto_handles_them():
   res = clipjax.clip_tree(tree, 1.0, impl="auto")
   np.testing.assert_allclose(float(res.global_norm), 5.0, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(res.updates["z"]), [0.6 + 0.8j, 0.0], rtol=1e-6)
+  # A norm above the float32 range: scaled by the split factor, not zeroed.
+  big = clipjax.clip_tree({"z": jnp.full((4,), 3e38 + 3e38j, jnp.complex64)}, 1.0, impl="auto")
+  np.testing.assert_allclose(np.asarray(big.updates["z"]), np.full(4, 0.5 * (1 + 1j) / 2 ** 0.5),
+                             rtol=1e-5)
 
 
 def test_clip_state_without_andrea_clip_is_a_clear_error():
