@@ -2,7 +2,8 @@
 
 Two measurements, written to OUT_DIR/report.md, results.json and PNG plots:
 
-1. Equivalence. The example trains once per --clip-impls entry with the same seed, data
+1. Equivalence. The example trains once per --clip-impls entry (an impl named twice runs
+   twice: the control for how far two runs of one path drift) with the same seed, data
    and bandit schedule, and only andrea_clip's `impl` changed. Per step: the pre-clip
    norms (relative difference), the losses (difference), and whether the same steps
    were clipped. The first impl is the reference.
@@ -51,7 +52,9 @@ def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--configs", default="andrea-12m", help="equivalence runs (comma list)")
   p.add_argument("--steps", type=int, default=1500, help="steps of every equivalence run")
-  p.add_argument("--clip-impls", default="jax,ffi", help="the first is the reference")
+  p.add_argument("--clip-impls", default="jax,ffi",
+                 help="the first is the reference; an impl named again (jax,ffi,jax) runs "
+                      "again as a control of run-to-run variation")
   p.add_argument("--time-configs", default="andrea-12m,andrea-120m",
                  help="configs whose step and clip are timed ('' for none)")
   p.add_argument("--time-steps", type=int, default=50)
@@ -221,7 +224,8 @@ def plot_timing(path, timing: dict, impls: list[str]) -> None:
 # --- Report -------------------------------------------------------------------------
 
 
-def write_report(args, env, impls, equivalence, timing) -> str:
+def write_report(args, env, labels, timed, equivalence, timing) -> str:
+  """`labels`: the equivalence runs, the first the reference; `timed`: the timed impls."""
   ffi_is = "the CUDA custom call" if env["platform"] == "gpu" else (
       f"the custom call's {env['platform'].upper()} handler")
   lines = [f"# andrea_clip: pure JAX (the TPU/CPU fallback) vs the custom call\n",
@@ -231,10 +235,15 @@ def write_report(args, env, impls, equivalence, timing) -> str:
            f"and CPUs take. Seed {args.seed} for every run.\n"]
   if equivalence:
     lines.append("## Same training, two implementations\n")
+    repeats = [label for label in labels if label not in split_impls(args)]
+    if repeats:
+      lines.append(", ".join(f"`{r}`" for r in repeats) + " repeat" + "s" * (len(repeats) == 1)
+                   + " an impl with the same seed and data: the control, how far two runs "
+                   "of one path drift apart on this machine.\n")
     rows = []
     for name, by_impl in equivalence.items():
       for impl, d in by_impl.items():
-        rows.append([name, f"{impls[0]} vs {impl}", d["steps"], f"{d['step1_norm_rel_diff']:.2e}",
+        rows.append([name, f"{labels[0]} vs {impl}", d["steps"], f"{d['step1_norm_rel_diff']:.2e}",
                      f"{d['max_norm_rel_diff']:.2e} (step {d['max_norm_rel_diff_step']})",
                      f"{d['max_loss_abs_diff']:.2e} (step {d['max_loss_abs_diff_step']})",
                      f"{d['clipped_steps'][0]} / {d['clipped_steps'][1]}",
@@ -245,14 +254,14 @@ def write_report(args, env, impls, equivalence, timing) -> str:
     lines.append("")
     for name, by_impl in equivalence.items():
       for impl, d in by_impl.items():
-        lines.append(_equivalence_sentence(name, impls[0], impl, d))
+        lines.append(_equivalence_sentence(name, labels[0], impl, d))
       lines.append(f"\n![{name}]({name}-equivalence.png)\n")
   if timing:
     lines.append("## Time of the training step and of the clip\n")
     rows = []
     for name, t in timing.items():
       base = t["step_ms"]["no clip"]
-      for impl in impls:
+      for impl in timed:
         step_ms, alone = t["step_ms"][impl], t["clip_alone_ms"][impl]
         rows.append([name, impl, f"{base:.3g}", f"{step_ms:.3g}",
                      f"{step_ms - base:+.3g} ({100 * (step_ms - base) / step_ms:+.1f}%)",
@@ -270,7 +279,7 @@ def write_report(args, env, impls, equivalence, timing) -> str:
                  "`clip_tree` jitted with the gradients donated, on the model's gradient tree, "
                  "with max_norm below the norm (every element is scaled) or above it.\n")
     for name, t in timing.items():
-      lines.append(_timing_sentence(name, impls, t))
+      lines.append(_timing_sentence(name, timed, t))
     lines.append("\n![timing](timing.png)\n")
   return "\n".join(lines) + "\n"
 
@@ -315,29 +324,45 @@ def _timing_sentence(name, impls, t) -> str:
   return " ".join(parts)
 
 
+def split_impls(args) -> list[str]:
+  return exp_common.split_list(args.clip_impls)
+
+
+def run_labels(impls: list[str]) -> list[str]:
+  """One label per run: the impl, and impl-2, impl-3 ... for its repeats (controls)."""
+  seen: dict[str, int] = {}
+  labels = []
+  for impl in impls:
+    seen[impl] = seen.get(impl, 0) + 1
+    labels.append(impl if seen[impl] == 1 else f"{impl}-{seen[impl]}")
+  return labels
+
+
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
   impls = exp_common.split_list(args.clip_impls)
+  labels = run_labels(impls)
   env = exp_common.environment("exp_fallback_vs_cuda.py", argv)
   os.makedirs(args.out_dir, exist_ok=True)
   equivalence = {}
   for name in exp_common.split_list(args.configs):
     runs = {}
-    for impl in impls:
+    for label, impl in zip(labels, impls):
       cfg = exp_common.base_config(args, name, steps=args.steps, clip_impl=impl,
-                                   out_dir=os.path.join(args.out_dir, f"{name}-{impl}"))
-      runs[impl] = exp_common.run_training(cfg, env)
+                                   out_dir=os.path.join(args.out_dir, f"{name}-{label}"))
+      runs[label] = exp_common.run_training(cfg, env)
     max_norm = config.resolve(cfg).max_norm
-    equivalence[name] = {impl: compare(runs[impls[0]], runs[impl]) for impl in impls[1:]}
-    plot_equivalence(os.path.join(args.out_dir, f"{name}-equivalence.png"), name, impls,
+    equivalence[name] = {label: compare(runs[labels[0]], runs[label]) for label in labels[1:]}
+    plot_equivalence(os.path.join(args.out_dir, f"{name}-equivalence.png"), name, labels,
                      runs, max_norm)
-  timing = {name: time_config(args, name, impls)
+  timed = list(dict.fromkeys(impls))  # a repeated impl is timed once
+  timing = {name: time_config(args, name, timed)
             for name in exp_common.split_list(args.time_configs)}
   if timing:
-    plot_timing(os.path.join(args.out_dir, "timing.png"), timing, impls)
-  results = {"environment": env, "clip_impls": impls, "equivalence": equivalence,
-             "timing": timing}
-  markdown = write_report(args, env, impls, equivalence, timing)
+    plot_timing(os.path.join(args.out_dir, "timing.png"), timing, timed)
+  results = {"environment": env, "clip_impls": impls, "run_labels": labels,
+             "equivalence": equivalence, "timing": timing}
+  markdown = write_report(args, env, labels, timed, equivalence, timing)
   exp_common.write_outputs(args.out_dir, results, markdown)
   print(markdown)
   return results

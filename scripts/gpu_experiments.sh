@@ -11,12 +11,14 @@
 # CUDA_VISIBLE_DEVICES), each ending, with its samples and summary, once
 # EXPERIMENT_SECONDS have passed (train_gpt's --time-limit-s); report.md gives each
 # run's steps. Runs that share a GPU have meaningless tokens/s: these experiments are
-# about norms, losses and samples. `equivalence` compares the two clips step by step
-# (its runs are not time-limited: both must make the same steps). `timing` must run
+# about norms, losses and samples. `equivalence` compares the two clips step by step,
+# with a second pure-JAX run as the control (its runs are not time-limited: all must make
+# the same steps). `timing` must run
 # alone on its GPU, since it measures.
 #
 # Settings (environment): EXPERIMENT_SECONDS (default 420), STEPS_12M (3000),
-# STEPS_120M (2000), WARMUP_12M (300), WARMUP_120M (200), EQUIV_STEPS (1000), PYTHON,
+# STEPS_120M (2000), WARMUP_12M (300), WARMUP_120M (200), EQUIV_STEPS (1000),
+# EQUIV_IMPLS (jax,ffi,jax), PYTHON,
 # and EXTRA_ARGS (passed to every run; e.g. a smaller batch for a smoke test on a CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +60,8 @@ case "$what" in
     echo "report: exit $?" >> "$codes" ;;
   equivalence)
     $PY examples/exp_fallback_vs_cuda.py --configs andrea-12m --steps "${EQUIV_STEPS:-1000}" \
-      --time-configs '' --out-dir "$out" --no-progress ${EXTRA_ARGS:-} > "$out/equivalence.log" 2>&1
+      --clip-impls "${EQUIV_IMPLS:-jax,ffi,jax}" --time-configs '' --out-dir "$out" \
+      --no-progress ${EXTRA_ARGS:-} > "$out/equivalence.log" 2>&1
     echo "equivalence: exit $?" >> "$codes" ;;
   timing)
     $PY examples/exp_fallback_vs_cuda.py --configs '' --time-configs andrea-12m,andrea-120m \

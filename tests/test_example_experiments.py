@@ -94,7 +94,8 @@ def test_fallback_vs_ffi_on_the_cpu(tmp_path, cache_dir):
   assert {"report.md", "results.json", "tiny-equivalence.png", "timing.png"} <= set(
       os.listdir(out))
   with open(out / "results.json") as f:
-    assert set(json.load(f)) == {"environment", "clip_impls", "equivalence", "timing"}
+    assert set(json.load(f)) == {"environment", "clip_impls", "run_labels", "equivalence",
+                                 "timing"}
   d = results["equivalence"]["tiny"]["ffi"]
   assert d["steps"] == 5
   assert d["max_norm_rel_diff"] < 1e-5  # the CPU handler and pure JAX: one norm
@@ -102,6 +103,19 @@ def test_fallback_vs_ffi_on_the_cpu(tmp_path, cache_dir):
   t = results["timing"]["tiny"]
   assert set(t["step_ms"]) == {"no clip", "jax", "ffi"}
   assert all(t["clip_alone_ms"][i]["clips"] > 0 for i in ("jax", "ffi"))
+
+
+def test_a_repeated_impl_is_a_control_run(tmp_path, cache_dir):
+  out = tmp_path / "control"
+  results = exp_fallback_vs_cuda.main(
+      ["--configs", "tiny", "--steps", "4", "--clip-impls", "jax,ffi,jax", "--time-configs", "",
+       "--out-dir", str(out), "--cache-dir", cache_dir, *TINY])
+  assert results["run_labels"] == ["jax", "ffi", "jax-2"]
+  assert {"tiny-jax", "tiny-ffi", "tiny-jax-2"} <= set(os.listdir(out))
+  control = results["equivalence"]["tiny"]["jax-2"]
+  # On the CPU a run is reproducible: the control drifts by nothing at all.
+  assert control["max_norm_rel_diff"] == 0.0 and control["max_loss_abs_diff"] == 0.0
+  assert "`jax-2` repeats an impl" in (out / "report.md").read_text()
 
 
 def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
