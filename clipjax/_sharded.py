@@ -11,11 +11,11 @@ its own shards:
   whole norm  = m * sqrt(psum over the group's axes of (shard norm / m)^2),
                 m = pmax over those axes of the finite shard norms
                 (for each leaf, and for all the group's shards together)
-  global norm = t * sqrt(sum over groups of (group norm / t)^2),
-                t = the largest finite group norm
+  global norm = the same over the group norms, each kept as root * 2**exponent
 
-Dividing by m and t keeps every square inside float32 for any norm float32
-holds. Only a few floats per leaf cross devices: one pmax and one psum per
+Dividing by m and aligning the exponents keeps every square inside float32, and
+a norm above the float32 range keeps its scale (root * 2**exponent) though it
+reads as inf. Only a few floats per leaf cross devices: one pmax and one psum per
 group.
 """
 
@@ -125,30 +125,35 @@ def _mesh_and_specs(mesh, specs, tree, paths, leaves):
 
 
 def _whole_leaf_norms(shard_norms, axes):
-  """Whole norms from this device's shard norms, elementwise; NaN and inf carry through.
+  """Whole norms from this device's shard norms, elementwise, as (root, exponent) with
+  norm = root * 2**exponent, so that a whole norm above the float32 range is kept (a
+  root stays near 1). NaN and inf carry through into the root.
 
   `shard_norms` are norms of shards of leaves sharded on `axes`. (Inside
   shard_map the custom call's results are typed as equal on every device; the
   collectives still combine each device's own values.)
   """
   if not axes:
-    return shard_norms
+    return jnp.frexp(shard_norms)
   top = lax.pmax(jnp.where(jnp.isfinite(shard_norms), shard_norms, _F32(0)), axes)
   top = jnp.where(top > 0, top, _F32(1))
-  return top * jnp.sqrt(lax.psum(jnp.square(shard_norms / top), axes))
+  mantissa, exponent = jnp.frexp(top)
+  return mantissa * jnp.sqrt(lax.psum(jnp.square(shard_norms / top), axes)), exponent
 
 
-def _norm_of_norms(norms):
-  top = jnp.max(jnp.where(jnp.isfinite(norms), norms, _F32(0)))
-  top = jnp.where(top > 0, top, _F32(1))
-  return top * jnp.sqrt(jnp.sum(jnp.square(norms / top)))
+def _norm_of_norms(roots, exps):
+  """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
+  top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
+  top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
+  aligned = roots * _jax_impl._pow2(exps - top)
+  return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 
-def _scale_shard(x, scale, keep, zero_fill):
+def _scale_shard(x, scale, keep, zero_fill, pre):
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    scaled = x * scale.astype(x.dtype)
+    scaled = (x * pre.astype(x.dtype)) * scale.astype(x.dtype)
   else:
-    scaled = (x.astype(_F32) * scale).astype(x.dtype)
+    scaled = ((x.astype(_F32) * pre) * scale).astype(x.dtype)
   return jnp.where(zero_fill, jnp.zeros_like(x), jnp.where(keep, x, scaled))
 
 
@@ -168,29 +173,37 @@ def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   groups: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     groups.setdefault(frozenset(axes), []).append(i)
-  group_norms, leaf_norms = [], [None] * len(shards)
+  group_roots, group_exps = [], []
+  leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
   for members in groups.values():
     # norms = [norm of this device's shards in the group, then per leaf]. The
     # group norm is safe from overflow and underflow in either mode; the
     # per-leaf norms are (on the pure-JAX path) only with mode="per_tensor".
     _, norms, _ = _run(max_norm, [shards[i] for i in members], impl=impl, mode=mode,
                        on_nonfinite="propagate", scale_leaves=False)
-    whole = _whole_leaf_norms(norms, leaf_axes[members[0]])
-    group_norms.append(whole[0])
+    roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
+    group_roots.append(roots[0])
+    group_exps.append(exps[0])
     for j, i in enumerate(members):
-      leaf_norms[i] = whole[1 + j]
-  leaf_norms = jnp.stack(leaf_norms)
-  global_norm = _norm_of_norms(jnp.stack(group_norms))
+      leaf_roots[i], leaf_exps[i] = roots[1 + j], exps[1 + j]
+  leaf_roots, leaf_exps = jnp.stack(leaf_roots), jnp.stack(leaf_exps)
+  root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
+  # Norms above the float32 range read as inf, but their (root, exponent) still give the
+  # scale; only a NaN or inf root means non-finite gradients.
+  global_norm = _jax_impl._unscale(root, exp)
+  leaf_norms = _jax_impl._unscale(leaf_roots, leaf_exps)
 
   zero = on_nonfinite == "zero"
-  all_finite = jnp.isfinite(global_norm)
+  all_finite = jnp.isfinite(root)
   if mode == "per_tensor":
-    scale, keep, zero_fill, _ = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite)
-    out = [_scale_shard(x, scale[i], keep[i], zero_fill) for i, x in enumerate(shards)]
+    scale, keep, zero_fill, pre = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite,
+                                                   leaf_roots, leaf_exps)
+    out = [_scale_shard(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(shards)]
     clipped = jnp.any(~keep)
   else:
-    scale, keep, zero_fill, _ = _jax_impl.decide(global_norm, max_norm, zero, all_finite)
-    out = [_scale_shard(x, scale, keep, zero_fill) for x in shards]
+    scale, keep, zero_fill, pre = _jax_impl.decide(global_norm, max_norm, zero, all_finite,
+                                                   root, exp)
+    out = [_scale_shard(x, scale, keep, zero_fill, pre) for x in shards]
     clipped = ~keep
   return out, global_norm, clipped, ~all_finite, leaf_norms
 

@@ -210,6 +210,22 @@ def test_float32_squares_that_underflow_or_overflow(devices, impl, scale):
     np.testing.assert_allclose(f64_norm(result.updates), 1.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["global", "per_tensor"])
+def test_a_norm_above_float32_made_of_finite_shards_is_scaled_not_zeroed(devices, impl, mode):
+  # Every device's shard norm (3e38) fits float32; the whole norm, 3e38 * sqrt(n), does not.
+  mesh, n = _mesh1d(), devices
+  tree = {"w": jnp.full((n,), 3e38, jnp.float32), "b": jnp.full((2,), 1e-3, jnp.float32)}
+  result = _clip_jitted(tree, 1.0, mesh, {"w": P("data"), "b": P()}, impl, mode=mode)
+  assert float(result.global_norm) == np.inf  # float32 cannot hold it
+  assert bool(result.clipped) and not bool(result.nonfinite)
+  whole = f64_norm(tree) if mode == "global" else f64_norm(tree["w"])
+  np.testing.assert_allclose(np.asarray(result.updates["w"]), 3e38 / whole, rtol=1e-6)
+  if mode == "global":
+    ref = clipjax.clip_tree(tree, 1.0, impl=impl)  # the whole tree on one device
+    for k in tree:
+      np.testing.assert_allclose(result.updates[k], ref.updates[k], rtol=1e-6, atol=1e-45)
+
+
 # --- NaN and inf -------------------------------------------------------------------------
 
 
