@@ -15,6 +15,7 @@ _F32 = jnp.float32
 # A float32 sum of squares at or above this (and finite) lost nothing that
 # matters to underflow; below it, or when it is inf/NaN, rescale and redo.
 _FAST_SUMSQ_MIN = 2.0**-60
+_PRE_EXP = 64  # a subnormal scale factor is applied as 2**-64 times a normal one
 
 
 def _as_f32(x):
@@ -111,17 +112,19 @@ def decide(norm, max_norm, zero_nonfinite, all_finite, root=None, exp=None):
   pre is 1 except where `root` and `exp` (norm = root * 2**exp) are given and the
   factor max_norm / norm is subnormal or the norm is above the float32 range with
   a finite root (finite gradients): there the true factor max_norm / root *
-  2**-exp is split into two normal float32 factors, since XLA flushes a
-  subnormal factor to zero.
+  2**-exp is applied as 2**-64 times the rest, two normal float32 factors, since
+  XLA flushes a subnormal factor to zero (the CPU handler splits it the same way).
   """
   keep = norm <= max_norm
   scale, pre = max_norm / norm, jnp.ones_like(norm)
   if root is not None:
     tiny = jnp.isinf(norm) | (jnp.abs(scale) < jnp.finfo(_F32).tiny)
     split = tiny & jnp.isfinite(root) & (root > 0)
-    half = exp // 2
-    scale = jnp.where(split, (max_norm / root) * _pow2(half - exp), scale)
-    pre = jnp.where(split, _pow2(-half), pre)
+    # 2**-64 then the rest: both normal for any float32 norm (exp <= 128 + log2 of the
+    # element count) and any max_norm down to 2**-60 of the norm's subnormal limit.
+    # max_norm is scaled up before the division: max_norm / root may itself be subnormal.
+    scale = jnp.where(split, _unscale(max_norm, _PRE_EXP - exp) / root, scale)
+    pre = jnp.where(split, _pow2(-_PRE_EXP), pre)
   scale = jnp.where(keep, _F32(1), scale)
   zero_fill = jnp.logical_and(zero_nonfinite, jnp.logical_not(all_finite))
   return scale, keep & ~zero_fill, zero_fill, pre

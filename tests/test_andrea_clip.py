@@ -168,6 +168,11 @@ def test_finite_gradients_whose_norm_overflows_float32_are_scaled_not_zeroed(imp
     assert bool(state.clipped) and int(state.nonfinite_count) == 0
     np.testing.assert_allclose(f64_norm(out), max_norm, rtol=rtol)
     np.testing.assert_allclose(out["a"], 3e38 * max_norm / ref, rtol=rtol)
+  # A moderate norm with a tiny max_norm: the factor (3e-41) is subnormal all the same.
+  small = {"a": jnp.full((10,), 1e15)}
+  out, state = _clip(small, 1e-25, impl)
+  assert bool(state.clipped) and int(state.nonfinite_count) == 0
+  np.testing.assert_allclose(f64_norm(out), 1e-25, rtol=1e-4)
   per_tensor = clipjax.clip_tree(tree, 1e6, impl=impl, mode="per_tensor")
   np.testing.assert_allclose(f64_norm(per_tensor.updates["a"]), 1e6, rtol=1e-6)
   np.testing.assert_allclose(f64_norm(per_tensor.updates["b"]), 1e6, rtol=1e-6)
