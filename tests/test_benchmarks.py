@@ -1,5 +1,5 @@
-"""The benchmark scripts run end to end (--quick: tiny shapes, on the CPU too) and write
-their JSON: the GPU runs use the same code paths."""
+"""The scripts the GPU runs use, run end to end on the CPU: the benchmarks (--quick: tiny
+shapes) write their JSON, and the sanitizers' driver checks every case."""
 
 import json
 import os
@@ -50,3 +50,14 @@ def test_busy_seconds_is_the_union_of_stream_activity():
   assert bench_clip.busy_seconds(streams) == 200e-9
   assert bench_clip.busy_seconds([NS(name="XLA Ops", events=[ev(0, 40)])]) == 40e-9
   assert bench_clip.busy_seconds([NS(name="XLA Modules", events=[ev(0, 40)])]) is None
+
+
+def test_sanitize_kernels_script_passes_on_the_cpu_handler():
+  # The script the GPU sanitizers run: on a CPU it drives the custom call's CPU handler
+  # through the same cases and checks every result against float64 NumPy.
+  run = subprocess.run([sys.executable, "scripts/sanitize_kernels.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  assert "all cases pass" in run.stdout and "FAIL" not in run.stdout
+  assert run.stdout.count("ok  ") == 10
