@@ -13,7 +13,7 @@ Layouts: "fsdp" (each leaf split on its first dimension the device count divides
 replicated) and "replicated" (every leaf whole on every device, data parallel). It reports the
 collectives in each compiled clip, the per-device memory floor, prints one table and writes JSON.
 
-    python benchmarks/bench_sharded.py --out $OUT/sharded.json      # the 2-GPU run
+    python benchmarks/bench_sharded.py --out sharded.json           # the 2-GPU run
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         python benchmarks/bench_sharded.py --quick --out /tmp/bs.json  # smoke test on a CPU
 

@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-build,test,sanitize}
-LOG_DIR=${LOG_DIR:-${OUT:-./gpu_check_logs}}
+LOG_DIR=${LOG_DIR:-./gpu_check_logs}
 PY=${PYTHON:-python3}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
