@@ -94,37 +94,35 @@ def norms(leaves, *, per_leaf_exact: bool):
   return (root, e), (jnp.sqrt(sums), jnp.zeros(len(leaves), jnp.int32))
 
 
-def _scale_leaf(x, scale, keep, zero_fill, pre=None):
+def scale_leaf(x, scale, keep, zero_fill, pre):
+  """x as the decision says: kept, zero-filled, or x * pre * scale (see `decide`)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    xs = x if pre is None else x * pre.astype(x.dtype)
-    scaled = xs * scale.astype(x.dtype)
+    scaled = (x * pre.astype(x.dtype)) * scale.astype(x.dtype)
   else:
-    x32 = _as_f32(x) if pre is None else _as_f32(x) * pre
-    scaled = (x32 * scale).astype(x.dtype)
+    scaled = ((x.astype(_F32) * pre) * scale).astype(x.dtype)
   out = jnp.where(keep, x, scaled)
   return jnp.where(zero_fill, jnp.zeros_like(x), out)
 
 
-def decide(norm, max_norm, zero_nonfinite, all_finite, root=None, exp=None):
+def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
   """The clip decision of cuda/andrea_clip_common.h::DecideScale.
 
   Returns (scale, keep, zero_fill, pre): a clipped leaf becomes x * pre * scale.
-  pre is 1 except where `root` and `exp` (norm = root * 2**exp) are given and the
+  `norm` is root * 2**exp (inf where that is above float32). pre is 1 except where the
   factor max_norm / norm is subnormal or the norm is above the float32 range with
   a finite root (finite gradients): there the true factor max_norm / root *
   2**-exp is applied as 2**-64 times the rest, two normal float32 factors, since
   XLA flushes a subnormal factor to zero (the CPU handler splits it the same way).
   """
   keep = norm <= max_norm
-  scale, pre = max_norm / norm, jnp.ones_like(norm)
-  if root is not None:
-    tiny = jnp.isinf(norm) | (jnp.abs(scale) < jnp.finfo(_F32).tiny)
-    split = tiny & jnp.isfinite(root) & (root > 0)
-    # 2**-64 then the rest: both normal for any float32 norm (exp <= 128 + log2 of the
-    # element count) and any max_norm down to 2**-60 of the norm's subnormal limit.
-    # max_norm is scaled up before the division: max_norm / root may itself be subnormal.
-    scale = jnp.where(split, _unscale(max_norm, _PRE_EXP - exp) / root, scale)
-    pre = jnp.where(split, _pow2(-_PRE_EXP), pre)
+  scale = max_norm / norm
+  tiny = jnp.isinf(norm) | (jnp.abs(scale) < jnp.finfo(_F32).tiny)
+  split = tiny & jnp.isfinite(root) & (root > 0)
+  # 2**-64 then the rest: both normal for any float32 norm (exp <= 128 + log2 of the
+  # element count) and any max_norm down to 2**-60 of the norm's subnormal limit.
+  # max_norm is scaled up before the division: max_norm / root may itself be subnormal.
+  scale = jnp.where(split, _unscale(max_norm, _PRE_EXP - exp) / root, scale)
+  pre = jnp.where(split, _pow2(-_PRE_EXP), jnp.ones_like(norm))
   scale = jnp.where(keep, _F32(1), scale)
   zero_fill = jnp.logical_and(zero_nonfinite, jnp.logical_not(all_finite))
   return scale, keep & ~zero_fill, zero_fill, pre
@@ -149,7 +147,7 @@ def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   if not scale_leaves:
     return None, all_norms, flags
   if per_tensor:
-    out = [_scale_leaf(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(leaves)]
+    out = [scale_leaf(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(leaves)]
   else:
-    out = [_scale_leaf(x, scale, keep, zero_fill, pre) for x in leaves]
+    out = [scale_leaf(x, scale, keep, zero_fill, pre) for x in leaves]
   return out, all_norms, flags

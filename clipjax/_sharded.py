@@ -149,14 +149,6 @@ def _norm_of_norms(roots, exps):
   return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 
-def _scale_shard(x, scale, keep, zero_fill, pre):
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    scaled = (x * pre.astype(x.dtype)) * scale.astype(x.dtype)
-  else:
-    scaled = ((x.astype(_F32) * pre) * scale).astype(x.dtype)
-  return jnp.where(zero_fill, jnp.zeros_like(x), jnp.where(keep, x, scaled))
-
-
 def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   """The clip as one device sees it: its shards in, its clipped shards out.
 
@@ -198,12 +190,13 @@ def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   if mode == "per_tensor":
     scale, keep, zero_fill, pre = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite,
                                                    leaf_roots, leaf_exps)
-    out = [_scale_shard(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(shards)]
+    out = [_jax_impl.scale_leaf(x, scale[i], keep[i], zero_fill, pre[i])
+           for i, x in enumerate(shards)]
     clipped = jnp.any(~keep)
   else:
     scale, keep, zero_fill, pre = _jax_impl.decide(global_norm, max_norm, zero, all_finite,
                                                    root, exp)
-    out = [_scale_shard(x, scale, keep, zero_fill, pre) for x in shards]
+    out = [_jax_impl.scale_leaf(x, scale, keep, zero_fill, pre) for x in shards]
     clipped = ~keep
   return out, global_norm, clipped, ~all_finite, leaf_norms
 

@@ -247,7 +247,8 @@ def write_report(args, env, labels, timed, equivalence, timing) -> str:
            f"and CPUs take. Seed {args.seed} for every run.\n"]
   if equivalence:
     lines.append("## Same training, two implementations\n")
-    repeats = [label for label in labels if label not in split_impls(args)]
+    impls = exp_common.split_list(args.clip_impls)
+    repeats = [label for label in labels if label not in impls]
     if repeats:
       lines.append(", ".join(f"`{r}`" for r in repeats) + " repeat" + "s" * (len(repeats) == 1)
                    + " an impl with the same seed and data: the control, how far two runs "
@@ -335,10 +336,6 @@ def _timing_sentence(name, impls, t) -> str:
     faster, ratio = (impls[1], a / b) if b < a else (impls[0], b / a)
     parts.append(f"the clip is {ratio:.2g}x faster with `{faster}`.")
   return " ".join(parts)
-
-
-def split_impls(args) -> list[str]:
-  return exp_common.split_list(args.clip_impls)
 
 
 def run_labels(impls: list[str]) -> list[str]:
