@@ -1,8 +1,11 @@
-"""The `clipjax_andrea_clip` custom call: native modules, registration, ffi_call.
+"""The clipjax custom calls: native modules, registration, ffi_call.
 
 Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 -> handlers `AndreaClipCpu`/`AndreaClipCuda` -> XLA target
-`"clipjax_andrea_clip"` -> `clipjax._ffi.andrea_clip`.
+`"clipjax_andrea_clip"` -> `clipjax._ffi.andrea_clip`; and the scale stage alone
+(the sharded clip, whose decision follows an all-reduce): `k_scale_table` + `k_grad_scale`
+-> `AndreaScaleCpu`/`AndreaScaleCuda` -> `"clipjax_andrea_scale"` ->
+`clipjax._ffi.andrea_scale`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "clipjax_andrea_clip"
+SCALE_TARGET = "clipjax_andrea_scale"
+ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in andrea_clip_common.h
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = {"global": 0, "per_tensor": 1}
 NONFINITE_POLICIES = {"propagate": 0, "zero": 1}
@@ -25,7 +30,8 @@ except ImportError as e:  # an install without the compiled extension
   _clipjax_cpu = None
   _load_errors["cpu"] = str(e)
 else:
-  jax.ffi.register_ffi_target(TARGET, _clipjax_cpu.registrations()[TARGET], platform="cpu")
+  for _target in (TARGET, SCALE_TARGET):
+    jax.ffi.register_ffi_target(_target, _clipjax_cpu.registrations()[_target], platform="cpu")
   _registered["cpu"] = "_clipjax_cpu"
 
 try:
@@ -34,7 +40,8 @@ except ImportError as e:  # built without nvcc, or no CUDA runtime here
   _clipjax_cuda = None
   _load_errors["cuda"] = str(e)
 else:
-  jax.ffi.register_ffi_target(TARGET, _clipjax_cuda.registrations()[TARGET], platform="CUDA")
+  for _target in (TARGET, SCALE_TARGET):
+    jax.ffi.register_ffi_target(_target, _clipjax_cuda.registrations()[_target], platform="CUDA")
   _registered["cuda"] = "_clipjax_cuda"
 
 
@@ -89,3 +96,27 @@ def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   if scale_leaves:
     return list(outs[:n]), outs[n], outs[n + 1]
   return None, outs[0], outs[1]
+
+
+def andrea_scale(scale, pre, keep, zero_fill, leaves):
+  """The scale stage alone, on a decision made elsewhere, in one custom call.
+
+  Per leaf i (each argument a scalar, or one value per leaf): zeros where zero_fill[i],
+  else the leaf unchanged where keep[i] (nothing is written), else x * pre[i] * scale[i]
+  (see `_jax_impl.decide`). Returns the leaves, aliased to the inputs.
+  """
+  if _clipjax_cpu is None:
+    raise RuntimeError("clipjax: the native extension is not importable: " + _load_errors["cpu"])
+  n = len(leaves)
+  shape = (n,)
+  factors = jnp.stack([jnp.broadcast_to(jnp.asarray(scale, jnp.float32), shape),
+                       jnp.broadcast_to(jnp.asarray(pre, jnp.float32), shape)], axis=1)
+  actions = jnp.where(jnp.broadcast_to(zero_fill, shape), ACTIONS["zero_fill"],
+                      jnp.where(jnp.broadcast_to(keep, shape), ACTIONS["keep"],
+                                ACTIONS["multiply"])).astype(jnp.int32)
+  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  out_types.append(jax.ShapeDtypeStruct((_clipjax_cpu.scale_workspace_bytes(n),), jnp.uint8))
+  call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
+                          input_output_aliases={i + 2: i for i in range(n)},
+                          vmap_method="sequential")
+  return list(call(factors, actions, *leaves)[:n])

@@ -190,14 +190,20 @@ def _clip_shards(max_norm, shards, leaf_axes, *, impl, mode, on_nonfinite):
   if mode == "per_tensor":
     scale, keep, zero_fill, pre = _jax_impl.decide(leaf_norms, max_norm, zero, all_finite,
                                                    leaf_roots, leaf_exps)
-    out = [_jax_impl.scale_leaf(x, scale[i], keep[i], zero_fill, pre[i])
-           for i, x in enumerate(shards)]
     clipped = jnp.any(~keep)
   else:
     scale, keep, zero_fill, pre = _jax_impl.decide(global_norm, max_norm, zero, all_finite,
                                                    root, exp)
-    out = [_jax_impl.scale_leaf(x, scale, keep, zero_fill, pre) for x in shards]
     clipped = ~keep
+  if impl == "ffi" and shards:
+    # One custom call scales every shard (k_grad_scale), where XLA would run one
+    # fusion per leaf.
+    out = _ffi.andrea_scale(scale, pre, keep, zero_fill, shards)
+  elif mode == "per_tensor":
+    out = [_jax_impl.scale_leaf(x, scale[i], keep[i], zero_fill, pre[i])
+           for i, x in enumerate(shards)]
+  else:
+    out = [_jax_impl.scale_leaf(x, scale, keep, zero_fill, pre) for x in shards]
   return out, global_norm, clipped, ~all_finite, leaf_norms
 
 

@@ -106,6 +106,12 @@ CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfini
   return s;
 }
 
+// Workspace of the scale-only call (`clipjax_andrea_scale`): LeafScale[num_leaves].
+CLIPJAX_HD int64_t ScaleWorkspaceBytes(int64_t num_leaves) {
+  const int64_t bytes = AlignUp16(8 * num_leaves);
+  return bytes < 16 ? 16 : bytes;
+}
+
 // One decoded custom call: what the three stages need, on either platform.
 struct ClipCall {
   const LeafDesc* leaves = nullptr;
@@ -119,6 +125,10 @@ struct ClipCall {
   int32_t* flags = nullptr;         // [2]: clipped, nonfinite
   uint8_t* workspace = nullptr;
   WorkspaceLayout layout{};
+  // The scale-only call: the decision was made elsewhere (by the sharded clip, after
+  // its all-reduce). Per leaf: factors[2i] * factors[2i + 1] and a LeafAction.
+  const float* factors = nullptr;
+  const int32_t* actions = nullptr;
 };
 
 }  // namespace clipjax

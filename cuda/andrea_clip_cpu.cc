@@ -6,6 +6,8 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "andrea_clip_common.h"
@@ -112,25 +114,36 @@ double SumSquares(const void* base, int64_t begin, int64_t end) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// `exact` is the factor in float64. Where it is below the smallest normal float32
-// (a norm above about 8e37 with max_norm 1), s.scale is subnormal, and XLA runs its
-// CPU threads with subnormals flushed to zero: the factor is then applied as two
-// normal float32 factors, 2**-64 and exact * 2**64.
+// x = (x * pre) * post in place, or zeros; pre == 1 is one multiply.
 template <typename Leaf>
-void ScaleInPlace(void* base, int64_t n, const LeafScale& s, double exact) {
+void ApplyInPlace(void* base, int64_t n, int32_t action, float pre, float post) {
   auto* x = static_cast<typename Leaf::Storage*>(base);
-  if (s.action == kZeroFill) {
+  if (action == kZeroFill) {
     std::memset(x, 0, n * sizeof(typename Leaf::Storage));
-    return;
-  }
-  if (exact > 0.0 && exact < static_cast<double>(std::numeric_limits<float>::min())) {
-    const float pre = 0x1p-64f;
-    const float post = static_cast<float>(exact * 0x1p64);
+  } else if (pre != 1.0f) {
     for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store((Leaf::Load(x[k]) * pre) * post);
-    return;
+  } else {
+    for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store(Leaf::Load(x[k]) * post);
   }
-  const float scale = s.scale;
-  for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store(Leaf::Load(x[k]) * scale);
+}
+
+void Apply(const LeafDesc& leaf, int32_t action, float pre, float post) {
+  if (action == kKeep || leaf.num_elements == 0) return;
+  switch (leaf.dtype) {
+    case kF32: ApplyInPlace<F32Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
+    case kBF16: ApplyInPlace<BF16Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
+    default: ApplyInPlace<F16Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
+  }
+}
+
+// Results that XLA did not alias to their operands start as copies of them.
+void CopyUnaliased(const ClipCall& call) {
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const LeafDesc& leaf = call.leaves[i];
+    if (leaf.out != leaf.in && leaf.num_elements > 0) {
+      std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElementBytes(leaf.dtype));
+    }
+  }
 }
 
 double ChunkSumSquares(const LeafDesc& leaf, int64_t begin, int64_t end) {
@@ -187,21 +200,22 @@ double NormFinal(const ClipCall& call, const double* partials, const int64_t* le
 }
 
 // Stage 3 (k_grad_scale): scale in place; leaves that are kept are not written.
+// The factor is max_norm / sqrt(sumsq) in float64. Where it is below the smallest
+// normal float32 (a norm above about 8e37 with max_norm 1), s.scale is subnormal, and
+// XLA runs its CPU threads with subnormals flushed to zero: the factor is then applied
+// as two normal float32 factors, 2**-64 and exact * 2**64.
 void Scale(const ClipCall& call, const LeafScale* leaf_scale, const double* leaf_sumsq,
            double total) {
+  CopyUnaliased(call);
   for (int64_t i = 0; i < call.num_leaves; ++i) {
-    const LeafDesc& leaf = call.leaves[i];
-    if (leaf.out != leaf.in && leaf.num_elements > 0) {
-      std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElementBytes(leaf.dtype));
-    }
     const LeafScale s = leaf_scale[i];
-    if (s.action == kKeep || leaf.num_elements == 0) continue;
     const double sumsq = call.per_tensor ? leaf_sumsq[i] : total;
     const double exact = static_cast<double>(*call.max_norm) / std::sqrt(sumsq);
-    switch (leaf.dtype) {
-      case kF32: ScaleInPlace<F32Leaf>(leaf.out, leaf.num_elements, s, exact); break;
-      case kBF16: ScaleInPlace<BF16Leaf>(leaf.out, leaf.num_elements, s, exact); break;
-      default: ScaleInPlace<F16Leaf>(leaf.out, leaf.num_elements, s, exact); break;
+    if (s.action == kMultiply && exact > 0.0 &&
+        exact < static_cast<double>(std::numeric_limits<float>::min())) {
+      Apply(call.leaves[i], s.action, 0x1p-64f, static_cast<float>(exact * 0x1p64));
+    } else {
+      Apply(call.leaves[i], s.action, 1.0f, s.scale);
     }
   }
 }
@@ -222,6 +236,29 @@ ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
   return ffi::Error::Success();
 }
 
+// The scale-only call: (x * factors[2i + 1]) * factors[2i] per leaf, as the pure-JAX
+// path's scale_leaf computes it (factors[2i + 1] is 1 but for a split subnormal factor).
+ffi::Error AndreaScaleCpuImpl(ffi::AnyBuffer factors, ffi::AnyBuffer actions,
+                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  thread_local std::vector<LeafDesc> leaves;
+  ClipCall call;
+  ffi::Error status = DecodeScaleCall(factors, actions, args, rets, &leaves, &call);
+  if (status.failure()) return status;
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const int32_t action = call.actions[i];
+    if (action != kKeep && action != kMultiply && action != kZeroFill) {
+      return ffi::Error::InvalidArgument("clipjax: action " + std::to_string(action) +
+                                         " of leaf " + std::to_string(i) +
+                                         " is not 0 (keep), 1 (multiply) or 2 (zero-fill)");
+    }
+  }
+  CopyUnaliased(call);
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    Apply(call.leaves[i], call.actions[i], call.factors[2 * i + 1], call.factors[2 * i]);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace clipjax
 
@@ -232,3 +269,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCpu, clipjax::AndreaClipCpuImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("on_nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCpu, clipjax::AndreaScaleCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -1,5 +1,7 @@
-// The CUDA handler: decodes the call and enqueues the three kernels on XLA's
-// stream. Command-buffer compatible: it allocates nothing and never syncs.
+// The CUDA handlers: decode a call and enqueue its kernels on XLA's stream.
+// Command-buffer compatible: they allocate nothing and never sync.
+//   AndreaClipCuda   `clipjax_andrea_clip`: the three kernels
+//   AndreaScaleCuda  `clipjax_andrea_scale`: the scale stage alone, from a given decision
 #include "andrea_clip_cuda.h"
 
 #include <cuda_runtime.h>
@@ -13,6 +15,12 @@
 namespace clipjax {
 namespace {
 
+ffi::Error LaunchResult(cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("clipjax: CUDA launch failed: ") +
+                              cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
 ffi::Error AndreaClipCudaImpl(cudaStream_t stream, ffi::AnyBuffer max_norm,
                               ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t mode,
                               int64_t on_nonfinite) {
@@ -20,12 +28,17 @@ ffi::Error AndreaClipCudaImpl(cudaStream_t stream, ffi::AnyBuffer max_norm,
   ClipCall call;
   ffi::Error status = DecodeCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
   if (status.failure()) return status;
-  const cudaError_t err = LaunchAndreaClip(call, stream);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("clipjax: CUDA launch failed: ") +
-                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchResult(LaunchAndreaClip(call, stream));
+}
+
+ffi::Error AndreaScaleCudaImpl(cudaStream_t stream, ffi::AnyBuffer factors,
+                               ffi::AnyBuffer actions, ffi::RemainingArgs args,
+                               ffi::RemainingRets rets) {
+  thread_local std::vector<LeafDesc> leaves;
+  ClipCall call;
+  ffi::Error status = DecodeScaleCall(factors, actions, args, rets, &leaves, &call);
+  if (status.failure()) return status;
+  return LaunchResult(LaunchAndreaScale(call, stream));
 }
 
 }  // namespace
@@ -39,4 +52,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCuda, clipjax::AndreaClipCudaImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("on_nonfinite"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCuda, clipjax::AndreaScaleCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

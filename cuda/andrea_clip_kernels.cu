@@ -273,6 +273,19 @@ __global__ void __launch_bounds__(kThreads)
   else ChunkScale<kF16>(base, count, s.scale, zero);
 }
 
+// The scale-only call: the per-leaf table k_grad_scale reads, from a decision made
+// elsewhere. The product of the two factors is rounded once, as DecideScale's float
+// division is (this code is built without flush-to-zero, so a subnormal factor stays).
+__global__ void k_scale_table(int64_t num_leaves, const float* factors, const int32_t* actions,
+                              LeafScale* leaf_scale) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_leaves) return;
+  LeafScale s;
+  s.scale = factors[2 * i] * factors[2 * i + 1];
+  s.action = actions[i];
+  leaf_scale[i] = s;
+}
+
 enum class Stage { kPartial, kScale };
 
 template <int kCap>
@@ -322,6 +335,20 @@ cudaError_t LaunchStage(const ClipCall& call, Stage stage, cudaStream_t stream) 
   return cudaSuccess;
 }
 
+// Results that XLA did not alias to their operands start as copies of them.
+cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream) {
+  for (int64_t i = 0; i < call.num_leaves; ++i) {
+    const LeafDesc& leaf = call.leaves[i];
+    if (leaf.out != leaf.in && leaf.num_elements > 0) {
+      const cudaError_t err =
+          cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * (leaf.dtype == kF32 ? 4 : 2),
+                          cudaMemcpyDeviceToDevice, stream);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
@@ -336,14 +363,22 @@ cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
       call.flags, call.per_tensor, call.zero_nonfinite);
   err = cudaGetLastError();
   if (err != cudaSuccess || !call.scale_leaves) return err;
-  for (int64_t i = 0; i < call.num_leaves; ++i) {
-    const LeafDesc& leaf = call.leaves[i];
-    if (leaf.out != leaf.in && leaf.num_elements > 0) {
-      err = cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * (leaf.dtype == kF32 ? 4 : 2),
-                            cudaMemcpyDeviceToDevice, stream);
-      if (err != cudaSuccess) return err;
-    }
-  }
+  err = CopyUnaliased(call, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchStage(call, Stage::kScale, stream);
+}
+
+cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream) {
+  if (call.num_leaves == 0) return cudaSuccess;
+  constexpr int kTableThreads = 256;
+  const int64_t blocks = (call.num_leaves + kTableThreads - 1) / kTableThreads;
+  k_scale_table<<<static_cast<unsigned>(blocks), kTableThreads, 0, stream>>>(
+      call.num_leaves, call.factors, call.actions,
+      reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = CopyUnaliased(call, stream);
+  if (err != cudaSuccess) return err;
   return LaunchStage(call, Stage::kScale, stream);
 }
 

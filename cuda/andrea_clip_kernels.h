@@ -18,6 +18,11 @@ namespace clipjax {
 //   k_grad_scale         one block per chunk; blocks of kept leaves exit at once
 cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream);
 
+// The scale-only call (`clipjax_andrea_scale`, decoded by DecodeScaleCall):
+//   k_scale_table        one thread per leaf: factors and actions -> LeafScale table
+//   k_grad_scale         as above
+cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream);
+
 // Leaves described in one kernel parameter table (passed by value; CUDA 12.1+
 // allows kernel parameters up to 32 KB).
 constexpr int kMaxLeavesPerLaunch = 1000;

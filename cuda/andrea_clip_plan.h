@@ -30,6 +30,46 @@ inline bool ToLeafDtype(ffi::DataType t, int32_t* out) {
   }
 }
 
+// The leaves (the remaining operands) and, when `scale_leaves`, their results
+// (results 0 ... n - 1), with each leaf's chunk offset.
+inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                               bool scale_leaves, std::vector<LeafDesc>* leaves,
+                               int64_t* num_chunks) {
+  const int64_t n = static_cast<int64_t>(args.size());
+  leaves->clear();
+  leaves->reserve(n);
+  int64_t chunk = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto leaf = args.get<ffi::AnyBuffer>(i);
+    if (!leaf.has_value()) return leaf.error();
+    LeafDesc d;
+    if (!ToLeafDtype(leaf->element_type(), &d.dtype)) {
+      return ffi::Error::InvalidArgument("clipjax: leaf " + std::to_string(i) +
+                                         " has an unsupported element type (supported: "
+                                         "float32, bfloat16, float16)");
+    }
+    d.in = leaf->untyped_data();
+    d.num_elements = static_cast<int64_t>(leaf->element_count());
+    d.chunk_begin = chunk;
+    d.out = nullptr;
+    if (scale_leaves) {
+      auto out = rets.get<ffi::AnyBuffer>(i);
+      if (!out.has_value()) return out.error();
+      if ((*out)->element_type() != leaf->element_type() ||
+          static_cast<int64_t>((*out)->element_count()) != d.num_elements) {
+        return ffi::Error::InvalidArgument("clipjax: result " + std::to_string(i) +
+                                           " does not match the type and size of leaf " +
+                                           std::to_string(i));
+      }
+      d.out = (*out)->untyped_data();
+    }
+    chunk += NumChunks(d.num_elements);
+    leaves->push_back(d);
+  }
+  *num_chunks = chunk;
+  return ffi::Error::Success();
+}
+
 inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
                              const ffi::RemainingRets& rets, int64_t mode,
                              int64_t on_nonfinite, std::vector<LeafDesc>* leaves,
@@ -56,37 +96,10 @@ inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::Remainin
   call->per_tensor = mode == kModePerTensor;
   call->zero_nonfinite = on_nonfinite == kZero;
   call->max_norm = static_cast<const float*>(max_norm.untyped_data());
-  leaves->clear();
-  leaves->reserve(n);
 
   int64_t chunk = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    auto leaf = args.get<ffi::AnyBuffer>(i);
-    if (!leaf.has_value()) return leaf.error();
-    LeafDesc d;
-    if (!ToLeafDtype(leaf->element_type(), &d.dtype)) {
-      return ffi::Error::InvalidArgument("clipjax: leaf " + std::to_string(i) +
-                                         " has an unsupported element type (supported: "
-                                         "float32, bfloat16, float16)");
-    }
-    d.in = leaf->untyped_data();
-    d.num_elements = static_cast<int64_t>(leaf->element_count());
-    d.chunk_begin = chunk;
-    d.out = nullptr;
-    if (call->scale_leaves) {
-      auto out = rets.get<ffi::AnyBuffer>(i);
-      if (!out.has_value()) return out.error();
-      if ((*out)->element_type() != leaf->element_type() ||
-          static_cast<int64_t>((*out)->element_count()) != d.num_elements) {
-        return ffi::Error::InvalidArgument("clipjax: result " + std::to_string(i) +
-                                           " does not match the type and size of leaf " +
-                                           std::to_string(i));
-      }
-      d.out = (*out)->untyped_data();
-    }
-    chunk += NumChunks(d.num_elements);
-    leaves->push_back(d);
-  }
+  ffi::Error status = DecodeLeaves(args, rets, call->scale_leaves, leaves, &chunk);
+  if (status.failure()) return status;
   call->leaves = leaves->data();
   call->num_leaves = n;
   call->num_chunks = chunk;
@@ -115,6 +128,51 @@ inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::Remainin
   call->norms = static_cast<float*>((*norms)->untyped_data());
   call->flags = static_cast<int32_t*>((*flags)->untyped_data());
   call->workspace = static_cast<uint8_t*>((*workspace)->untyped_data());
+  return ffi::Error::Success();
+}
+
+
+// Decodes one `clipjax_andrea_scale` call. Operands: factors f32[n, 2], actions s32[n],
+// leaf_0 ... leaf_{n-1}. Results: leaf_0 ... leaf_{n-1} (aliased to the operands), then
+// workspace u8[ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
+inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyBuffer& actions,
+                                  const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                  std::vector<LeafDesc>* leaves, ClipCall* call) {
+  const int64_t n = static_cast<int64_t>(args.size());
+  if (factors.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(factors.element_count()) != 2 * n) {
+    return ffi::Error::InvalidArgument("clipjax: the factors operand must be float32[" +
+                                       std::to_string(n) + ", 2] for " + std::to_string(n) +
+                                       " leaves");
+  }
+  if (actions.element_type() != ffi::DataType::S32 ||
+      static_cast<int64_t>(actions.element_count()) != n) {
+    return ffi::Error::InvalidArgument("clipjax: the actions operand must be int32[" +
+                                       std::to_string(n) + "]");
+  }
+  if (static_cast<int64_t>(rets.size()) != n + 1) {
+    return ffi::Error::InvalidArgument("clipjax: expected " + std::to_string(n + 1) +
+                                       " results for " + std::to_string(n) + " leaves, got " +
+                                       std::to_string(rets.size()));
+  }
+  int64_t chunk = 0;
+  ffi::Error status = DecodeLeaves(args, rets, true, leaves, &chunk);
+  if (status.failure()) return status;
+  auto workspace = rets.get<ffi::AnyBuffer>(n);
+  if (!workspace.has_value()) return workspace.error();
+  if ((*workspace)->element_type() != ffi::DataType::U8 ||
+      static_cast<int64_t>((*workspace)->element_count()) < ScaleWorkspaceBytes(n)) {
+    return ffi::Error::InvalidArgument("clipjax: the workspace result must be uint8[>= " +
+                                       std::to_string(ScaleWorkspaceBytes(n)) + "]");
+  }
+  call->leaves = leaves->data();
+  call->num_leaves = n;
+  call->num_chunks = chunk;
+  call->scale_leaves = true;
+  call->workspace = static_cast<uint8_t*>((*workspace)->untyped_data());
+  call->layout = WorkspaceLayout{0, 0, 0, 0, ScaleWorkspaceBytes(n)};  // LeafScale[n] at 0
+  call->factors = static_cast<const float*>(factors.untyped_data());
+  call->actions = static_cast<const int32_t*>(actions.untyped_data());
   return ffi::Error::Success();
 }
 

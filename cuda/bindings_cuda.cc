@@ -9,6 +9,7 @@ NB_MODULE(_clipjax_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["clipjax_andrea_clip"] = nb::capsule(reinterpret_cast<void*>(AndreaClipCuda));
+    d["clipjax_andrea_scale"] = nb::capsule(reinterpret_cast<void*>(AndreaScaleCuda));
     return d;
   });
 }

@@ -1,7 +1,8 @@
-"""The custom call alone, on trees that reach every path of its kernels; for compute-sanitizer.
+"""The custom calls alone, on trees that reach every path of their kernels; for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
     compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py "scale call,odd sizes"
 
 Inputs are placed with device_put and read back with NumPy, and every reference is computed
 on the host in float64, so the only GPU kernels that run are clipjax's three (and XLA's
@@ -72,18 +73,61 @@ def check(name, leaves, max_norm=1.0, **kw):
   return not errors
 
 
-def main():
+def check_scale(name, leaves):
+  """The scale-only call (the sharded clip's last stage): leaf i kept, scaled or zeroed."""
+  from clipjax import _ffi  # noqa: PLC0415
+  n = len(leaves)
+  scale = np.linspace(0.25, 0.75, n).astype(F32)
+  keep, zero = np.arange(n) % 3 == 0, np.arange(n) % 3 == 2
+  run = jax.jit(lambda ls: _ffi.andrea_scale(scale, F32(1), keep, zero, ls), donate_argnums=0)
+  got = run([jax.device_put(x) for x in leaves])
+  errors = []
+  for i, (x, y) in enumerate(zip(leaves, got)):
+    want = (x if keep[i] else np.zeros_like(x) if zero[i]
+            else (x.astype(F32) * scale[i]).astype(x.dtype))
+    if not np.array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32)):
+      errors.append(f"leaf {i} ({x.dtype}, {x.size} elements) wrong")
+  print(f"{'ok  ' if not errors else 'FAIL'} {name}" + ("" if not errors else ": " + "; ".join(
+      errors[:3])), flush=True)
+  return not errors
+
+
+def all_cases():
+  """[(name, run)]: every case, each a function that checks it and returns True if right."""
   rng = np.random.default_rng(0)
-  ok = True
-  for name, spec in CASES.items():
-    ok &= check(name, leaves_of(rng, spec))
-  per_tensor = leaves_of(rng, [((50000,), "f32", 0.02), ((300,), "bf16", 0.02), ((7, 7), "f16", 1)])
-  ok &= check("per tensor", per_tensor, mode="per_tensor")
+  cases = [(name, lambda name=name, spec=spec: check(name, leaves_of(rng, spec)))
+           for name, spec in CASES.items()]
+
+  def per_tensor():
+    leaves = leaves_of(rng, [((50000,), "f32", 0.02), ((300,), "bf16", 0.02), ((7, 7), "f16", 1)])
+    return check("per tensor", leaves, mode="per_tensor")
+  cases.append(("per tensor", per_tensor))
   for bad in (np.nan, np.inf):
-    leaves = leaves_of(rng, [((70000,), "f32", 1.0), ((100,), "bf16", 1.0)])
-    leaves[0][65536] = bad
-    ok &= check(f"{bad} propagates", leaves)
-    ok &= check(f"{bad} zero-fills", leaves, on_nonfinite="zero")
+    def nonfinite(bad=bad, policy="propagate"):
+      leaves = leaves_of(rng, [((70000,), "f32", 1.0), ((100,), "bf16", 1.0)])
+      leaves[0][65536] = bad
+      if policy == "propagate":
+        return check(f"{bad} propagates", leaves)
+      return check(f"{bad} zero-fills", leaves, on_nonfinite="zero")
+    cases.append((f"{bad} propagates", nonfinite))
+    cases.append((f"{bad} zero-fills", lambda bad=bad: nonfinite(bad, "zero")))
+  cases.append(("scale call", lambda: check_scale(
+      "scale call", leaves_of(rng, CASES["mixed dtypes"] + CASES["odd sizes"]))))
+  return cases
+
+
+def main():
+  # Optional: a comma-separated list of case names to run alone (e.g. "scale call").
+  cases = all_cases()
+  only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
+  if only and only - {name for name, _ in cases}:
+    print(f"unknown cases: {sorted(only - {n for n, _ in cases})}; "
+          f"known: {[n for n, _ in cases]}")
+    return 2
+  ok = True
+  for name, run in cases:
+    if only is None or name in only:
+      ok &= run()
   print("all cases pass" if ok else "SOME CASES FAILED", flush=True)
   return 0 if ok else 1
 
