@@ -127,19 +127,25 @@ class Case:
                rotation)
 
   def random_tree(self, seed, scale=1.0):
-    return random_tree_fn(self.model, self.dtype, scale)(jax.random.key(seed))
+    return random_tree_fn(self.model, self.dtype)(jax.random.key(seed), scale)
 
 
 @functools.lru_cache(maxsize=None)
-def random_tree_fn(model, dtype, scale):
-  """jit(key) -> the model's gradient tree, standard normals times `scale` (never zeros)."""
+def random_tree_fn(model, dtype):
+  """jit(key, scale) -> the model's gradient tree, standard normals times `scale`.
+
+  One random vector cut into the leaves: one random-number op to compile. One op per
+  leaf (197 of them for gpt120m) took XLA about 100 s to compile on an H200.
+  """
   leaves, treedef = jax.tree.flatten(gpt_grad_spec(MODELS[model], DTYPES[dtype]))
+  sizes = [math.prod(x.shape) for x in leaves]
+  offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
   @jax.jit
-  def make(key):
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([(scale * jax.random.normal(k, x.shape, F32)).astype(x.dtype)
-                              for k, x in zip(keys, leaves)])
+  def make(key, scale):
+    flat = scale * jax.random.normal(key, (sum(sizes),), F32)
+    return treedef.unflatten([flat[o:o + n].reshape(x.shape).astype(x.dtype)
+                              for o, n, x in zip(offsets, sizes, leaves)])
   return make
 
 
@@ -419,7 +425,8 @@ def jax_copy_bandwidth(n_bytes, calls, repeats):
 def bench_jax_clip(fns, impl, case, regime, cfg):
   """One clip in one regime: in-jit (K clips per jitted call), and one clip per call."""
   fn, seeds = fns.clip(impl), [100 + i for i in range(case.rotation)]
-  K = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps), case, cfg)
+  K = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps), impl, case,
+                  regime, cfg)
   norm0 = min(float(f32_norm(case.random_tree(s))) for s in seeds)
   example = [case.random_tree(s) for s in seeds]
   out = {"reps": K,
@@ -456,19 +463,25 @@ def bench_jax_clip(fns, impl, case, regime, cfg):
   return out
 
 
-# K is given for gpt120m f32 (395 MB). A smaller tree gets a proportionally larger K, up to
-# MAX_REPS_SCALE times, so that a jitted call holds as much GPU work: otherwise its host
-# dispatch (about 2 ms for 200 donated arrays) outlasts the GPU's part and the in-jit time
-# measures the host. On an H200, gpt12m f32 at K = 10 took 2.2 ms per call for 0.65 ms
-# of kernels, and optax at K = 4 2.4 ms for 1.5 ms.
-REPS_REFERENCE_BYTES = 98_820_096 * 4
+# K is given for gpt120m f32 in the clipping regime (3 x 395 MB moved per clip). A clip that
+# moves fewer bytes (a smaller tree, bf16, or not clipping: N bytes instead of 3N) gets a
+# proportionally larger K, up to MAX_REPS_SCALE times and at most MAX_REPS[impl], so that a
+# jitted call holds as much GPU work: otherwise its host dispatch (1.3-2 ms for 100-200
+# donated arrays) outlasts the GPU's part and the in-jit time measures the host. On an
+# H200, gpt12m f32 at K = 10 took 2.2 ms per call for 0.65 ms of kernels, and gpt120m f32
+# not clipping at K = 10 took 1.77 ms per call for 1.07 ms. The caps bound compile time,
+# which grows faster than K (optax at K = 8 on gpt120m bf16: 26 s).
+REPS_REFERENCE_BYTES = 3 * 98_820_096 * 4
 MAX_REPS_SCALE = 8
+MAX_REPS = {"ffi": 80, "optax": 16, "jax": 4}
 
 
-def scaled_reps(K, case, cfg):
-  if cfg.no_scale_reps or case.grad_bytes >= REPS_REFERENCE_BYTES:
+def scaled_reps(K, impl, case, regime, cfg):
+  moved = case.grad_bytes * (3 if regime == "clip" else 1)
+  if cfg.no_scale_reps or moved >= REPS_REFERENCE_BYTES:
     return K
-  return K * min(MAX_REPS_SCALE, math.ceil(REPS_REFERENCE_BYTES / case.grad_bytes))
+  return max(K, min(MAX_REPS[impl], K * min(MAX_REPS_SCALE,
+                                            math.ceil(REPS_REFERENCE_BYTES / moved))))
 
 
 def record(out, key, timing, per_call):
@@ -864,10 +877,12 @@ def parse_args(argv=None):
                  help="K for andrea_clip(impl='jax') (its compile time grows faster than K)")
   p.add_argument("--step-reps", type=int, default=1, help="optimizer steps per jitted call")
   p.add_argument("--no-scale-reps", action="store_true",
-                 help="keep K as given for every shape (default: a tree smaller than gpt120m "
-                      "f32 gets K times the size ratio, at most 8 times, so the GPU, not the "
-                      "host, bounds a call)")
-  p.add_argument("--iters", type=int, default=10, help="jitted calls per timed round")
+                 help="keep K as given for every case (default: a clip that moves fewer bytes "
+                      "than gpt120m f32 clipping gets K times the ratio, at most 8 times and "
+                      "at most MAX_REPS, so the GPU, not the host, bounds a call)")
+  p.add_argument("--iters", type=int, default=30,
+                 help="jitted calls per timed round (the first call's dispatch, before the GPU "
+                      "starts, is spread over them)")
   p.add_argument("--step-iters", type=int, default=10, help="the same, for the full step")
   p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is reported")
   p.add_argument("--rotate-bytes", type=float, default=128e6,
@@ -1029,6 +1044,7 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
   floors = {"clip": 3 * case.grad_bytes / bw * 1e6, "noclip": case.grad_bytes / bw * 1e6}
   base = dict(dataclasses.asdict(case), regime=regime, floor_us=floors[regime])
   for impl in impls:
+    t0 = log.elapsed()
     if impl == "torch":
       r = bench_torch_clip(torch, case, regime, args)
       log(f"  clip {regime:6s} {'torch':16s} graph  {_num(r.get('us_graph'), 9)} us  "
@@ -1038,7 +1054,8 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
       log(f"  clip {regime:6s} {LABELS[impl]:16s} in-jit {r['us_injit']:9.1f} us  device "
           f"{_num(r.get('us_device'), 9)} us  per call {r['us_call']:9.1f} us  "
           f"floor {floors[regime]:7.1f} us  "
-          f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s)"
+          f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s, "
+          f"case {log.elapsed() - t0:.0f} s)"
           + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
     results["clip"].append(dict(base, table="clip", impl=impl,
                                 framework="torch" if impl == "torch" else "jax", **r))
@@ -1047,13 +1064,15 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
     return
   step_base = dict(base, table="step", fused_floor_us=floors["noclip"])
   for variant in (["adamw"] if with_adamw else []) + [i for i in impls if i != "torch"]:
+    t0 = log.elapsed()
     r = bench_jax_step(fns, variant, case, regime, args)
     results["step"].append(dict(step_base, impl=variant, framework="jax", **r))
     save_partial(results, args)
     log(f"  step {regime:6s} {LABELS.get(variant, variant):16s} in-jit "
         f"{r['us_injit']:9.1f} us  device {_num(r.get('us_device'), 9)} us  "
         f"per call {r['us_call']:9.1f} us  "
-        f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s)"
+        f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s, "
+        f"case {log.elapsed() - t0:.0f} s)"
         + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
   if "torch" in impls:
     for variant, r in bench_torch_step(torch, case, regime, args).items():

@@ -58,10 +58,13 @@ LABELS = {"andrea": "sharded_clip_tree", "jax": "sharded_clip_tree(jax)", "optax
           "single": "clip_tree, 1 device"}
 SEED = 100
 PROFILED_CALLS = 3
-# Correctness: the global norm against float64 NumPy; the updates against optax's.
+# Correctness: the global norm and the updates against float64 NumPy. The updates are within
+# the factor's rounding and one rounding to the leaf type: one ulp of that type at most.
+# optax's updates are measured the same way and reported, not checked: on bf16 leaves its
+# norm is a sum of bf16 values (about 3% off on gpt120m bf16).
 NORM_RTOL = 1e-6
-UPDATE_RTOL = {"f32": 1e-5, "bf16": 2e-2}  # bf16: optax rounds t / norm, then * max_norm
-CUSTOM_CALL = 'custom_call_target="clipjax_andrea_clip"'
+UPDATE_RTOL = {"f32": 1e-6, "bf16": 2.0**-7}
+CUSTOM_CALL = 'custom_call_target="clipjax_andrea_'  # either call: the norms, the scale
 COLLECTIVE_RE = re.compile(r"= (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
                            r"collective-permute|collective-broadcast)(-start)?\(")
 
@@ -216,20 +219,23 @@ def f64_norm(tree):
   return math.sqrt(total)
 
 
-@jax.jit
-def max_rel_diff(got, want):
-  """max |got - want| / |want| over every element (0 / 0 counts as 0), in float32 on device."""
-  worst = jnp.zeros((), F32)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, w = g.astype(F32), w.astype(F32)
-    diff = jnp.abs(g - w)
-    rel = jnp.where(diff == 0, F32(0), diff / jnp.maximum(jnp.abs(w), jnp.finfo(F32).tiny))
-    worst = jnp.maximum(worst, jnp.max(rel))
+def max_rel_err_vs_f64(got, tree, factor):
+  """max |got - tree * factor| / |tree * factor| over every element, the product in float64
+  on the host (0 / 0 counts as 0)."""
+  worst = 0.0
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree)):
+    g = np.asarray(g.astype(F32)).reshape(-1)
+    x = np.asarray(x.astype(F32)).reshape(-1)
+    for start in range(0, x.size, 1 << 24):
+      want = x[start:start + (1 << 24)].astype(np.float64) * factor
+      diff = np.abs(g[start:start + (1 << 24)].astype(np.float64) - want)
+      rel = np.where(diff == 0, 0.0, diff / np.maximum(np.abs(want), np.finfo(np.float64).tiny))
+      worst = max(worst, float(rel.max(initial=0.0)))
   return worst
 
 
 def run_checks(layout, dtype, impls, ref_norm, andrea_impl):
-  """One clip per impl on the same tree: norms against float64, updates against optax.
+  """One clip per impl on the same tree: norms and updates against float64.
 
   Returns (rows of checks, {impl: hlo summary of one clip}).
   """
@@ -253,11 +259,15 @@ def run_checks(layout, dtype, impls, ref_norm, andrea_impl):
                    "ok": bool(same_sharding)})
     log(f"  checked {layout.name} {dtype} {LABELS[impl]} (compile {compile_s} s, "
         f"{time.perf_counter() - t0:.1f} s in all)")
-  if "optax" in outs:
-    for impl in ("andrea", "jax", "single"):
-      if impl in outs:
-        err = float(max_rel_diff(outs[impl], outs["optax"]))
-        checks.append({"what": f"{impl} updates vs optax", "value": err,
+  factor = float(m) / ref_norm
+  for impl in ("andrea", "jax", "single", "optax"):
+    if impl in outs:
+      err = max_rel_err_vs_f64(outs[impl], tree, factor)
+      if impl == "optax":  # reported, not checked: see UPDATE_RTOL
+        checks.append({"what": "optax updates vs float64 (not checked)", "value": err,
+                       "tol": None, "ok": True})
+      else:
+        checks.append({"what": f"{impl} updates vs float64", "value": err,
                        "tol": UPDATE_RTOL[dtype], "ok": err <= UPDATE_RTOL[dtype]})
   for c in checks:
     c.update(layout=layout.name, dtype=dtype)
@@ -382,7 +392,7 @@ def metadata(args, andrea_impl):
       "settings": {k: v for k, v in vars(args).items() if k != "out"},
       "andrea_impl_arg": andrea_impl,
       "norm_over_max_norm_at_start": {"clip": NORM_RATIO, "noclip": 1 / NORM_RATIO},
-      "norm_rtol": NORM_RTOL, "update_rtol_vs_optax": UPDATE_RTOL,
+      "norm_rtol": NORM_RTOL, "update_rtol_vs_float64": UPDATE_RTOL,
   }
 
 
@@ -568,7 +578,8 @@ def check_all(args, layouts, sharded, andrea_impl, results):
               "clipjax custom call: it did not lower to the CUDA custom call")
     for c in results["checks"]:
       if c["dtype"] == dtype:
-        value = "" if c["value"] is None else f" {c['value']:.2e} (tol {c['tol']:.0e})"
+        value = ("" if c["value"] is None else f" {c['value']:.2e}"
+                 + ("" if c["tol"] is None else f" (tol {c['tol']:.0e})"))
         log(f"  check {c['layout']:10s} {dtype:4s} {c['what']:36s}{value}  "
             f"{'ok' if c['ok'] else 'FAIL'}")
   return hlos

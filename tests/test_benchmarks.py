@@ -60,4 +60,76 @@ def test_sanitize_kernels_script_passes_on_the_cpu_handler():
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
   assert "all cases pass" in run.stdout and "FAIL" not in run.stdout
-  assert run.stdout.count("ok  ") == 10
+  assert run.stdout.count("ok  ") == 11
+
+
+def _plan(tmp_path, plan, **env):
+  return subprocess.run(["bash", "scripts/gpu_plan.sh", plan, str(tmp_path / "logs")], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, DRY_RUN="1", **env))
+
+
+def test_gpu_plan_runs_stages_in_order_and_jobs_on_their_gpus(tmp_path):
+  run = _plan(tmp_path, "sharded:300+bench@0,correctness@1,bench@1", BENCH_ARGS="--models gpt12m",
+              BENCH_ARGS_1="--models gpt120m")
+  assert run.returncode == 0, run.stdout + run.stderr
+  out = run.stdout
+  # the stage of "sharded" ends before the next stage's jobs start
+  assert out.index("t=") < out.index("tests/test_sharded.py") < out.index("bench@0")
+  assert out.index("bench@0") < out.index("correctness@1")
+  bench = [line for line in out.splitlines() if "bench_clip.py" in line]
+  assert len(bench) == 2 and all("--no-probe" in line for line in bench)
+  assert "--models gpt12m" in bench[0] and "bench-gpu0" in bench[0]
+  assert "--models gpt120m" in bench[1] and "bench-gpu1" in bench[1]
+  sharded = next(line for line in out.splitlines() if "bench_sharded.py" in line)
+  assert int(sharded.split()[1]) <= 300  # the job's cap bounds its timeout
+  logs = tmp_path / "logs"
+  assert {p.name for p in logs.iterdir()} == {"sharded", "bench-gpu0", "correctness-gpu1",
+                                              "bench-gpu1"}
+  assert (tmp_path / "logs.tar.gz").exists()
+
+
+def test_gpu_plan_refuses_an_unknown_job_before_running_anything(tmp_path):
+  for plan in ("bench+tests", "bench@x", "bench:soon"):
+    run = _plan(tmp_path, plan)
+    assert run.returncode == 2
+    assert plan.split("+")[-1] in run.stderr and "usage" in run.stderr
+    assert not (tmp_path / "logs.tar.gz").exists()
+
+
+def test_clips_moving_fewer_bytes_get_more_repetitions_per_call():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    import bench_clip as b
+  finally:
+    sys.path.pop(0)
+  cfg = b.parse_args([])
+  case = {(m, d): b.Case.make(m, d, 0) for m in ("gpt120m", "gpt12m") for d in ("f32", "bf16")}
+  K = lambda impl, m, d, regime: b.scaled_reps(  # noqa: E731
+      {"ffi": 10, "optax": 4, "jax": 2}[impl], impl, case[m, d], regime, cfg)
+  assert K("ffi", "gpt120m", "f32", "clip") == 10  # the reference: 3 x 395 MB per clip
+  assert K("ffi", "gpt120m", "f32", "noclip") == 30  # N bytes, not 3N
+  assert K("ffi", "gpt120m", "bf16", "clip") == 20
+  assert K("ffi", "gpt12m", "f32", "clip") == 60  # 17.5M of 98.8M parameters
+  assert K("ffi", "gpt12m", "bf16", "noclip") == 80  # 8 times at most, and MAX_REPS
+  assert K("optax", "gpt12m", "f32", "clip") == 16  # optax's compile time bounds its K
+  assert K("jax", "gpt120m", "f32", "clip") == 2
+  cfg.no_scale_reps = True
+  assert K("ffi", "gpt12m", "bf16", "noclip") == 10
+
+
+def test_racecheck_groups_cover_every_sanitizer_case_once():
+  import re
+  script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+  block = script[script.index("racecheck_groups=("):]
+  groups = re.findall(r'"([^"$]+)"', block[:block.index(")\n")])
+  assert len(groups) == 3
+  names = [n for g in groups for n in g.split(",")]
+  listed = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "no such case"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert listed.returncode == 2
+  known = re.findall(r"'([^']+)'", listed.stdout.split("known:")[1])
+  assert sorted(names) == sorted(known)  # every case, each in one group
+  run = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", groups[0]], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0 and run.stdout.count("ok  ") == len(groups[0].split(","))
