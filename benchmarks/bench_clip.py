@@ -225,9 +225,10 @@ def seconds_per_call(fresh, call, calls, repeats, warmup=WARMUP_CALLS, profile=T
       for c in range(PROFILED_CALLS):
         holder["state"] = call(holder["state"], c)
       jax.block_until_ready(holder["state"]["arrays"])
-    busy = gpu_busy_seconds(profiled)
+    busy, kernels = gpu_busy_seconds(profiled)
     state, n = holder["state"], PROFILED_CALLS
     out["device_s"] = busy / PROFILED_CALLS if busy else None
+    out["kernels_s"] = {k: v / PROFILED_CALLS for k, v in kernels.items()}
   out["state"], out["calls_since_fresh"] = state, n
   return out
 
@@ -266,16 +267,32 @@ def busy_seconds(lines):
   return busy / 1e9 if intervals else None
 
 
+def kernel_seconds(lines, top=8):
+  """{kernel or copy name: seconds} summed over the stream lines among `lines`, the `top`
+  longest (the rest summed as "(other)"): where a clip's device time goes."""
+  totals: dict = {}
+  for line in lines:
+    if line.name.startswith("Stream"):
+      for e in line.events:
+        totals[e.name] = totals.get(e.name, 0.0) + e.duration_ns / 1e9
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+  out = dict(ranked[:top])
+  if len(ranked) > top:
+    out["(other)"] = sum(v for _, v in ranked[top:])
+  return out
+
+
 def gpu_busy_seconds(run):
-  """Seconds the GPU was busy while `run()` ran, from a profiler trace (None if unknown)."""
+  """(seconds the GPU was busy while `run()` ran, {kernel: seconds}) from a profiler
+  trace; (None, {}) if unknown."""
   try:
     lines = [line for plane in traced_gpu_planes(run, "bench_clip_trace_")
              for line in plane.lines]
     PROFILER_LINES.update(line.name for line in lines)
-    return busy_seconds(lines)
+    return busy_seconds(lines), kernel_seconds(lines)
   except Exception as e:  # noqa: BLE001 - the device column is a bonus; say why it is empty
     PROFILER_LINES.add(f"error: {type(e).__name__}: {e}"[:200])
-    return None
+    return None, {}
 
 
 PROFILER_LINES: set = set()  # line names seen on GPU planes, kept in the JSON for checking
@@ -489,6 +506,8 @@ def record(out, key, timing, per_call):
   out[f"us_{key}"] = timing["s"] / per_call * 1e6
   out[f"samples_{key}_us"] = [t / per_call * 1e6 for t in timing["samples"]]
   out[f"enqueue_fraction_{key}"] = timing["enqueue_fraction"]
+  if timing.get("kernels_s"):
+    out["kernels_us"] = {k: v / per_call * 1e6 for k, v in timing["kernels_s"].items()}
   if timing["device_s"] is not None or key == "injit":
     out["us_device"] = (timing["device_s"] / per_call * 1e6 if timing["device_s"] is not None
                         else None)
@@ -1057,6 +1076,7 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
           f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s, "
           f"case {log.elapsed() - t0:.0f} s)"
           + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
+      log_kernels(r)
     results["clip"].append(dict(base, table="clip", impl=impl,
                                 framework="torch" if impl == "torch" else "jax", **r))
     save_partial(results, args)
@@ -1079,6 +1099,14 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
       results["step"].append(dict(step_base, impl=variant, framework="torch", **r))
       save_partial(results, args)
       log(f"  step {regime:6s} torch {variant:10s} per call {r['us_call']:9.1f} us")
+
+
+def log_kernels(r, top=4):
+  """The kernels (and copies) a clip's device time went to, per clip, longest first."""
+  kernels = r.get("kernels_us") or {}
+  if kernels:
+    log("      kernels per clip: " + ", ".join(
+        f"{name[:48]} {us:.1f} us" for name, us in list(kernels.items())[:top]))
 
 
 def save_partial(results, args):

@@ -52,6 +52,22 @@ def test_busy_seconds_is_the_union_of_stream_activity():
   assert bench_clip.busy_seconds([NS(name="XLA Modules", events=[ev(0, 40)])]) is None
 
 
+def test_kernel_seconds_ranks_the_kernels_of_the_stream_lines():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_clip  # noqa: PLC0415
+  from types import SimpleNamespace as NS
+  ev = lambda name, dur: NS(name=name, start_ns=0, duration_ns=dur)  # noqa: E731
+  lines = [NS(name="Stream #1", events=[ev("k_grad_scale", 300), ev("k_grad_norm_final", 50),
+                                        ev("k_grad_scale", 300)]),
+           NS(name="Stream #2", events=[ev("k_grad_norm_partial", 400)]),
+           NS(name="XLA Ops", events=[ev("custom-call", 10_000)])]  # not a stream: ignored
+  got = bench_clip.kernel_seconds(lines)
+  assert list(got) == ["k_grad_scale", "k_grad_norm_partial", "k_grad_norm_final"]
+  assert got["k_grad_scale"] == 600e-9 and got["k_grad_norm_final"] == 50e-9
+  top1 = bench_clip.kernel_seconds(lines, top=1)
+  assert top1 == {"k_grad_scale": 600e-9, "(other)": 450e-9}
+
+
 def test_sanitize_kernels_script_passes_on_the_cpu_handler():
   # The script the GPU sanitizers run: on a CPU it drives the custom call's CPU handler
   # through the same cases and checks every result against float64 NumPy.
