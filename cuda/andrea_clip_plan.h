@@ -131,7 +131,6 @@ inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::Remainin
   return ffi::Error::Success();
 }
 
-
 // Decodes one `clipjax_andrea_scale` call. Operands: factors f32[n, 2], actions s32[n],
 // leaf_0 ... leaf_{n-1}. Results: leaf_0 ... leaf_{n-1} (aliased to the operands), then
 // workspace u8[ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
