@@ -3,10 +3,20 @@
 // (no host-to-device copy per call); partial sums go to fixed slots, reduced in
 // a fixed order (no atomics), so results are bit-identical run to run. Squares
 // are accumulated in float64: no overflow or underflow for any f32/bf16/f16.
+//
+// On sm_90 and later the final and scale kernels are launched with programmatic
+// dependent launch: each is scheduled while the kernel before it still runs and
+// waits on the device (griddepcontrol.wait) for that kernel's results, so the
+// launch latency of the two small stages hides behind the norm pass. The scale
+// grid is sized to what the GPU holds at once and strides over the chunks, so a
+// step that does not clip costs one wave of blocks that read a flag and exit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "andrea_clip_kernels.h"
 
@@ -43,6 +53,22 @@ __device__ __forceinline__ int FindEntry(const ChunkTable<kCap>& t, int64_t chun
     if (t.entry[mid].chunk_begin <= chunk) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// Waits until the kernel this one depends on has finished and its writes are
+// visible. Returns at once for a kernel launched the ordinary way.
+__device__ __forceinline__ void WaitForPriorKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel, when launched with programmatic dependent launch, be
+// scheduled now; it still waits in WaitForPriorKernel for this one to finish.
+__device__ __forceinline__ void AllowNextKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ double BlockSum(double v, double* shared) {
@@ -190,6 +216,7 @@ __global__ void __launch_bounds__(kThreads)
     k_grad_norm_partial(const __grid_constant__ ChunkTable<kCap> table, double* partials,
                         int64_t* leaf_range) {
   __shared__ double shared[kThreads / 32];
+  AllowNextKernel();
   const int64_t chunk = table.chunk_base + blockIdx.x;
   const TableEntry& e = table.entry[FindEntry(table, chunk)];
   const int64_t local = chunk - e.chunk_begin;
@@ -211,28 +238,58 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One block. Its time is latency, not bandwidth, so each warp has the ranges and
+// first partials of kLeavesInFlight leaves in flight at once, and the per-leaf
+// sums stay in shared memory while they fit. The summation order is fixed (lane
+// strides, then a shuffle tree; leaves in thread strides, then a block tree).
+constexpr int kLeavesInFlight = 8;
+constexpr int kSharedLeaves = 4096;  // leaf sums kept in shared memory (32 KB) up to this
+
 __global__ void __launch_bounds__(kFinalThreads)
-    k_grad_norm_final(int64_t num_leaves, const double* partials, const int64_t* leaf_range,
-                      double* leaf_sumsq, LeafScale* leaf_scale, const float* max_norm_ptr,
-                      float* norms, int32_t* flags, bool per_tensor, bool zero_nonfinite) {
+    k_grad_norm_final(int64_t num_leaves, const double* __restrict__ partials,
+                      const int64_t* __restrict__ leaf_range, double* __restrict__ leaf_sumsq,
+                      LeafScale* __restrict__ leaf_scale, const float* __restrict__ max_norm_ptr,
+                      float* __restrict__ norms, int32_t* __restrict__ flags, bool per_tensor,
+                      bool zero_nonfinite) {
   __shared__ double shared[kFinalThreads / 32];
   __shared__ double total_shared;
+  __shared__ double sums_shared[kSharedLeaves];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kFinalThreads / 32;
+  AllowNextKernel();
+  WaitForPriorKernel();  // the partial sums
+  double* sums = num_leaves <= kSharedLeaves ? sums_shared : leaf_sumsq;
   // Per-leaf sums: one warp per leaf, lanes stride over the leaf's chunks.
-  for (int64_t i = warp; i < num_leaves; i += kWarps) {
-    const int64_t first = leaf_range[2 * i], count = leaf_range[2 * i + 1];
-    double s = 0.0;
-    for (int64_t c = lane; c < count; c += 32) s += partials[first + c];
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+  for (int64_t base = warp; base < num_leaves; base += kWarps * kLeavesInFlight) {
+    int64_t first[kLeavesInFlight], count[kLeavesInFlight];
+    double s[kLeavesInFlight];
+#pragma unroll
+    for (int j = 0; j < kLeavesInFlight; ++j) {
+      const int64_t i = base + j * kWarps;
+      first[j] = i < num_leaves ? leaf_range[2 * i] : 0;
+      count[j] = i < num_leaves ? leaf_range[2 * i + 1] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kLeavesInFlight; ++j) s[j] = lane < count[j] ? partials[first[j] + lane] : 0.0;
+#pragma unroll
+    for (int j = 0; j < kLeavesInFlight; ++j) {
+      for (int64_t c = lane + 32; c < count[j]; c += 32) s[j] += partials[first[j] + c];
+      for (int off = 16; off > 0; off >>= 1) s[j] += __shfl_down_sync(0xffffffffu, s[j], off);
+    }
     if (lane == 0) {
-      leaf_sumsq[i] = s;
-      norms[1 + i] = NormFromSumsq(s);
+#pragma unroll
+      for (int j = 0; j < kLeavesInFlight; ++j) {
+        const int64_t i = base + j * kWarps;
+        if (i < num_leaves) {
+          sums[i] = s[j];
+          norms[1 + i] = NormFromSumsq(s[j]);
+        }
+      }
     }
   }
   __syncthreads();
   double t = 0.0;
-  for (int64_t i = threadIdx.x; i < num_leaves; i += kFinalThreads) t += leaf_sumsq[i];
+  for (int64_t i = threadIdx.x; i < num_leaves; i += kFinalThreads) t += sums[i];
   t = BlockSum(t, shared);
   if (threadIdx.x == 0) total_shared = t;
   __syncthreads();
@@ -243,7 +300,7 @@ __global__ void __launch_bounds__(kFinalThreads)
   int clipped = 0;
   for (int64_t i = threadIdx.x; i < num_leaves; i += kFinalThreads) {
     const LeafScale s =
-        per_tensor ? DecideScale(leaf_sumsq[i], max_norm, zero_nonfinite, all_finite) : global;
+        per_tensor ? DecideScale(sums[i], max_norm, zero_nonfinite, all_finite) : global;
     leaf_scale[i] = s;
     clipped |= s.action != kKeep;
   }
@@ -255,22 +312,30 @@ __global__ void __launch_bounds__(kFinalThreads)
   }
 }
 
+// Blocks stride over the chunks (grid = what the GPU holds at once). `any_action`
+// (the clip's "clipped" flag; null in the scale-only call) lets a step that does
+// not clip skip the table lookups altogether.
 template <int kCap>
 __global__ void __launch_bounds__(kThreads)
-    k_grad_scale(const __grid_constant__ ChunkTable<kCap> table, const LeafScale* leaf_scale) {
-  const int64_t chunk = table.chunk_base + blockIdx.x;
-  const TableEntry& e = table.entry[FindEntry(table, chunk)];
-  const LeafScale s = leaf_scale[e.leaf];
-  if (s.action == kKeep) return;  // an unclipped step writes nothing
-  const int64_t begin = (chunk - e.chunk_begin) * kChunkElems;
-  const int64_t remaining = e.num_elements - begin;
-  if (remaining <= 0) return;
-  const int64_t count = remaining < kChunkElems ? remaining : kChunkElems;
-  char* base = static_cast<char*>(e.data) + begin * ElemBytes(e.dtype);
-  const bool zero = s.action == kZeroFill;
-  if (e.dtype == kF32) ChunkScale<kF32>(base, count, s.scale, zero);
-  else if (e.dtype == kBF16) ChunkScale<kBF16>(base, count, s.scale, zero);
-  else ChunkScale<kF16>(base, count, s.scale, zero);
+    k_grad_scale(const __grid_constant__ ChunkTable<kCap> table, int64_t num_chunks,
+                 const LeafScale* leaf_scale, const int32_t* any_action) {
+  WaitForPriorKernel();  // the decisions
+  if (any_action != nullptr && *any_action == 0) return;  // an unclipped step writes nothing
+  for (int64_t b = blockIdx.x; b < num_chunks; b += gridDim.x) {
+    const int64_t chunk = table.chunk_base + b;
+    const TableEntry& e = table.entry[FindEntry(table, chunk)];
+    const LeafScale s = leaf_scale[e.leaf];
+    if (s.action == kKeep) continue;
+    const int64_t begin = (chunk - e.chunk_begin) * kChunkElems;
+    const int64_t remaining = e.num_elements - begin;
+    if (remaining <= 0) continue;
+    const int64_t count = remaining < kChunkElems ? remaining : kChunkElems;
+    char* base = static_cast<char*>(e.data) + begin * ElemBytes(e.dtype);
+    const bool zero = s.action == kZeroFill;
+    if (e.dtype == kF32) ChunkScale<kF32>(base, count, s.scale, zero);
+    else if (e.dtype == kBF16) ChunkScale<kBF16>(base, count, s.scale, zero);
+    else ChunkScale<kF16>(base, count, s.scale, zero);
+  }
 }
 
 // The scale-only call: the per-leaf table k_grad_scale reads, from a decision made
@@ -278,6 +343,7 @@ __global__ void __launch_bounds__(kThreads)
 // division is (this code is built without flush-to-zero, so a subnormal factor stays).
 __global__ void k_scale_table(int64_t num_leaves, const float* factors, const int32_t* actions,
                               LeafScale* leaf_scale) {
+  AllowNextKernel();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_leaves) return;
   LeafScale s;
@@ -286,11 +352,83 @@ __global__ void k_scale_table(int64_t num_leaves, const float* factors, const in
   leaf_scale[i] = s;
 }
 
+// What the launches need to know of the device that runs them, looked up once per
+// device: programmatic dependent launch needs compute capability 9.0 (and is off
+// when CLIPJAX_PDL=0); the scale grid is as many blocks as the GPU holds at once.
+struct DeviceInfo {
+  bool pdl;
+  int64_t scale_blocks;
+};
+
+constexpr int kMaxDevices = 64;
+
+template <int kCap>
+int64_t ResidentScaleBlocks(int num_sms) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_grad_scale<kCap>, kThreads, 0) !=
+          cudaSuccess ||
+      per_sm < 1) {
+    per_sm = 1;
+  }
+  return static_cast<int64_t>(per_sm) * num_sms;
+}
+
+cudaError_t GetDeviceInfo(DeviceInfo* info) {
+  static std::atomic<int64_t> cache[kMaxDevices];  // 0: unknown; else 1 + blocks, negated without PDL
+  // The current device (XLA makes the stream's device current before it calls a
+  // handler); cudaStreamGetDevice is not allowed while the stream is being captured.
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const int64_t known = device < kMaxDevices ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (known != 0) {
+    info->pdl = known > 0;
+    info->scale_blocks = (known > 0 ? known : -known) - 1;
+    return cudaSuccess;
+  }
+  int major = 0, num_sms = 0;
+  err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const char* env = std::getenv("CLIPJAX_PDL");
+  info->pdl = major >= 9 && !(env != nullptr && std::strcmp(env, "0") == 0);
+  // The smallest of the three table sizes' occupancies (they differ only in the table).
+  int64_t blocks = ResidentScaleBlocks<32>(num_sms);
+  const int64_t b256 = ResidentScaleBlocks<256>(num_sms);
+  const int64_t b1000 = ResidentScaleBlocks<kMaxLeavesPerLaunch>(num_sms);
+  if (b256 < blocks) blocks = b256;
+  if (b1000 < blocks) blocks = b1000;
+  info->scale_blocks = blocks;
+  if (device < kMaxDevices) {
+    cache[device].store(info->pdl ? 1 + blocks : -(1 + blocks), std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+// Launches `kernel` on `stream`; with `pdl`, it may start before the kernel ahead
+// of it in the stream has finished (it must call WaitForPriorKernel first).
+template <typename... Params, typename... Args>
+cudaError_t Launch(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
+                   cudaStream_t stream, Args... args) {
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 enum class Stage { kPartial, kScale };
 
 template <int kCap>
 cudaError_t LaunchGroup(const ClipCall& call, int64_t first, int64_t count, Stage stage,
-                        cudaStream_t stream) {
+                        const DeviceInfo& info, bool pdl, cudaStream_t stream) {
   ChunkTable<kCap> table;
   table.chunk_base = call.leaves[first].chunk_begin;
   table.num_entries = static_cast<int32_t>(count);
@@ -306,37 +444,42 @@ cudaError_t LaunchGroup(const ClipCall& call, int64_t first, int64_t count, Stag
     e.dtype = leaf.dtype;
     end_chunk = leaf.chunk_begin + NumChunks(leaf.num_elements);
   }
-  const int64_t blocks = end_chunk - table.chunk_base;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const int64_t chunks = end_chunk - table.chunk_base;
   uint8_t* ws = call.workspace;
   if (stage == Stage::kPartial) {
-    k_grad_norm_partial<kCap><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        table, reinterpret_cast<double*>(ws + call.layout.partials),
-        reinterpret_cast<int64_t*>(ws + call.layout.leaf_range));
-  } else {
-    k_grad_scale<kCap><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        table, reinterpret_cast<const LeafScale*>(ws + call.layout.leaf_scale));
+    return Launch(k_grad_norm_partial<kCap>, chunks, kThreads, false, stream, table,
+                  reinterpret_cast<double*>(ws + call.layout.partials),
+                  reinterpret_cast<int64_t*>(ws + call.layout.leaf_range));
   }
-  return cudaGetLastError();
+  const int64_t blocks = chunks < info.scale_blocks ? chunks : info.scale_blocks;
+  // The clip's "clipped" flag; the scale-only call has none.
+  const int32_t* any_action = call.factors == nullptr ? call.flags : nullptr;
+  return Launch(k_grad_scale<kCap>, blocks, kThreads, pdl, stream, table, chunks,
+                reinterpret_cast<const LeafScale*>(ws + call.layout.leaf_scale), any_action);
 }
 
 // Launches one stage over all leaves, in groups that fit a parameter table;
-// a small table is used when few leaves remain, so launches stay cheap.
-cudaError_t LaunchStage(const ClipCall& call, Stage stage, cudaStream_t stream) {
+// a small table is used when few leaves remain, so launches stay cheap. With
+// `pdl`, the stage's launches may start early (the scale stage: each waits on
+// the device for the kernel before it).
+cudaError_t LaunchStage(const ClipCall& call, Stage stage, const DeviceInfo& info, bool pdl,
+                        cudaStream_t stream) {
   for (int64_t first = 0; first < call.num_leaves; first += kMaxLeavesPerLaunch) {
     const int64_t left = call.num_leaves - first;
     const int64_t count = left < kMaxLeavesPerLaunch ? left : kMaxLeavesPerLaunch;
     cudaError_t err;
-    if (count <= 32) err = LaunchGroup<32>(call, first, count, stage, stream);
-    else if (count <= 256) err = LaunchGroup<256>(call, first, count, stage, stream);
-    else err = LaunchGroup<kMaxLeavesPerLaunch>(call, first, count, stage, stream);
+    if (count <= 32) err = LaunchGroup<32>(call, first, count, stage, info, pdl, stream);
+    else if (count <= 256) err = LaunchGroup<256>(call, first, count, stage, info, pdl, stream);
+    else err = LaunchGroup<kMaxLeavesPerLaunch>(call, first, count, stage, info, pdl, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
 // Results that XLA did not alias to their operands start as copies of them.
-cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream) {
+// Sets *copied when it enqueued any copy.
+cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream, bool* copied) {
+  *copied = false;
   for (int64_t i = 0; i < call.num_leaves; ++i) {
     const LeafDesc& leaf = call.leaves[i];
     if (leaf.out != leaf.in && leaf.num_elements > 0) {
@@ -344,6 +487,7 @@ cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream) {
           cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * (leaf.dtype == kF32 ? 4 : 2),
                           cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) return err;
+      *copied = true;
     }
   }
   return cudaSuccess;
@@ -352,34 +496,42 @@ cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
-  cudaError_t err = LaunchStage(call, Stage::kPartial, stream);
+  DeviceInfo info;
+  cudaError_t err = GetDeviceInfo(&info);
+  if (err != cudaSuccess) return err;
+  err = LaunchStage(call, Stage::kPartial, info, false, stream);
   if (err != cudaSuccess) return err;
   uint8_t* ws = call.workspace;
-  k_grad_norm_final<<<1, kFinalThreads, 0, stream>>>(
-      call.num_leaves, reinterpret_cast<const double*>(ws + call.layout.partials),
-      reinterpret_cast<const int64_t*>(ws + call.layout.leaf_range),
-      reinterpret_cast<double*>(ws + call.layout.leaf_sumsq),
-      reinterpret_cast<LeafScale*>(ws + call.layout.leaf_scale), call.max_norm, call.norms,
-      call.flags, call.per_tensor, call.zero_nonfinite);
-  err = cudaGetLastError();
+  err = Launch(k_grad_norm_final, 1, kFinalThreads, info.pdl, stream, call.num_leaves,
+               reinterpret_cast<const double*>(ws + call.layout.partials),
+               reinterpret_cast<const int64_t*>(ws + call.layout.leaf_range),
+               reinterpret_cast<double*>(ws + call.layout.leaf_sumsq),
+               reinterpret_cast<LeafScale*>(ws + call.layout.leaf_scale), call.max_norm,
+               call.norms, call.flags, call.per_tensor, call.zero_nonfinite);
   if (err != cudaSuccess || !call.scale_leaves) return err;
-  err = CopyUnaliased(call, stream);
+  bool copied = false;
+  err = CopyUnaliased(call, stream, &copied);
   if (err != cudaSuccess) return err;
-  return LaunchStage(call, Stage::kScale, stream);
+  // After a copy the scale kernel starts the ordinary way (the early start is for
+  // a kernel that follows a kernel).
+  return LaunchStage(call, Stage::kScale, info, info.pdl && !copied, stream);
 }
 
 cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream) {
   if (call.num_leaves == 0) return cudaSuccess;
+  DeviceInfo info;
+  cudaError_t err = GetDeviceInfo(&info);
+  if (err != cudaSuccess) return err;
   constexpr int kTableThreads = 256;
   const int64_t blocks = (call.num_leaves + kTableThreads - 1) / kTableThreads;
-  k_scale_table<<<static_cast<unsigned>(blocks), kTableThreads, 0, stream>>>(
-      call.num_leaves, call.factors, call.actions,
-      reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale));
-  cudaError_t err = cudaGetLastError();
+  err = Launch(k_scale_table, blocks, kTableThreads, false, stream, call.num_leaves,
+               call.factors, call.actions,
+               reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale));
   if (err != cudaSuccess) return err;
-  err = CopyUnaliased(call, stream);
+  bool copied = false;
+  err = CopyUnaliased(call, stream, &copied);
   if (err != cudaSuccess) return err;
-  return LaunchStage(call, Stage::kScale, stream);
+  return LaunchStage(call, Stage::kScale, info, info.pdl && !copied, stream);
 }
 
 }  // namespace clipjax

@@ -15,12 +15,16 @@ namespace clipjax {
 //   k_grad_norm_partial  one block per chunk of every leaf -> partials
 //                        (one launch per group of up to kMaxLeavesPerLaunch)
 //   k_grad_norm_final    one block: per-leaf and global sums, norms, decisions
-//   k_grad_scale         one block per chunk; blocks of kept leaves exit at once
+//   k_grad_scale         as many blocks as the GPU holds, striding over the chunks;
+//                        when nothing clips, each reads one flag and exits
+// On sm_90+ the last two use programmatic dependent launch: they are scheduled
+// while the kernel before them runs and wait on the device for its results
+// (CLIPJAX_PDL=0 turns this off; the results are the same bits either way).
 cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream);
 
 // The scale-only call (`clipjax_andrea_scale`, decoded by DecodeScaleCall):
 //   k_scale_table        one thread per leaf: factors and actions -> LeafScale table
-//   k_grad_scale         as above
+//   k_grad_scale         as above (without the flag: it looks up every chunk's leaf)
 cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream);
 
 // Leaves described in one kernel parameter table (passed by value; CUDA 12.1+

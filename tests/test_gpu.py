@@ -3,6 +3,9 @@ can show (huge leaves, thousands of leaves, run-to-run bit identity). Skipped,
 with the reason, where no CUDA device or no CUDA handler is present."""
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +219,45 @@ def test_auto_lowers_to_the_custom_call_on_cuda():
   tree = random_tree(jax.random.key(6), [(100,)], jnp.float32)
   text = jax.jit(lambda t: clipjax.clip_tree(t, 1.0)).lower(tree).as_text()
   assert "clipjax_andrea_clip" in text
+
+
+# The same clips with the early launch of the final and scale kernels turned off
+# (CLIPJAX_PDL=0, read once per process): the results must not change by one bit.
+_PDL_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import clipjax
+sys.path.insert(0, sys.argv[2])
+from conftest import random_tree
+shapes = [((i * 7919) % 70000 + 1,) for i in range(40)]  # 1 to 3 chunks each
+out = {}
+for dtype in (jnp.float32, jnp.bfloat16):
+  tree = random_tree(jax.random.key(7), shapes, dtype, 0.05)
+  for mode in ("global", "per_tensor"):
+    f = jax.jit(lambda t, m: clipjax.clip_tree(t, m, impl="ffi", mode=mode))
+    for max_norm in (0.5, 1e6):  # clips / does not clip
+      r = f(tree, max_norm)
+      key = f"{jnp.dtype(dtype).name}-{mode}-{max_norm}"
+      out[key + "-norm"] = np.asarray(r.global_norm)
+      out[key + "-leaf-norms"] = np.asarray(r.leaf_norms)
+      for i, x in enumerate(jax.tree.leaves(r.updates)):
+        out[f"{key}-{i}"] = np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_results_do_not_depend_on_the_early_kernel_launch(tmp_path):
+  here = os.path.dirname(os.path.abspath(__file__))
+  runs = {}
+  for value in ("1", "0"):
+    path = tmp_path / f"pdl{value}.npz"
+    proc = subprocess.run([sys.executable, "-c", _PDL_SCRIPT, str(path), here],
+                          env=dict(os.environ, CLIPJAX_PDL=value), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs[value] = np.load(path)
+  on, off = runs["1"], runs["0"]
+  assert len(on.files) == 8 * (2 + 40)
+  assert sorted(on.files) == sorted(off.files)
+  for key in on.files:
+    np.testing.assert_array_equal(on[key], off[key], err_msg=key)
