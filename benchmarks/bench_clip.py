@@ -58,7 +58,12 @@ IMPLS = JAX_IMPLS + ("torch",)
 LABELS = {"ffi": "andrea_clip", "jax": "andrea_clip(jax)", "optax": "optax", "torch": "torch"}
 IN_PLACE = ("ffi",)  # the custom call writes the clipped gradients over its input
 NORM_RATIO = 10.0  # ||g|| / max_norm is 10 at the start of the clipping regime, 1/10 otherwise
-DECAY = 0.97  # max_norm shrinks by this factor every repetition, so every repetition clips
+# max_norm shrinks by this factor every time a tree is clipped, so every repetition clips,
+# with a margin above bf16's rounding (one ulp is up to 0.8%) and optax's bf16 norm (3% off).
+DECAY = 0.97
+# A round clips each tree at most this many times (in the clipping regime, a round of a large
+# K has fewer calls), so max_norm stays far inside float32's range: 0.97^600 is 1e-8.
+MAX_CLIPS_PER_TREE = 600
 ADAMW = dict(learning_rate=3e-4, weight_decay=0.1)
 COPY_BYTES = 1 << 30  # the bandwidth probe scales 1 GiB in place
 MAX_ROTATION = 8
@@ -154,31 +159,33 @@ def f32_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(F32))) for x in jax.tree.leaves(tree)))
 
 
-def max_norm_at(regime, norm0, rep):
-  """max_norm of repetition `rep` (0, 1, ...) of a round that starts from norm `norm0`.
+def max_norm_at(regime, norm0, rep, rotation=1):
+  """max_norm of repetition `rep` (0, 1, ...) of a round that starts from norm `norm0`, where
+  repetition k clips tree k % rotation.
 
-  Clipping: norm0 / 10, then 3% lower every repetition, so a tree the previous repetition
-  clipped (its norm is now the previous max_norm) is clipped again. Not clipping: 10 * norm0.
+  Clipping: norm0 / 10, then 3% lower each time round the trees, so a tree clipped before
+  (its norm is now that max_norm) is clipped again. Not clipping: 10 * norm0.
   """
   if regime == "clip":
-    return norm0 / NORM_RATIO * DECAY**rep
+    return norm0 / NORM_RATIO * DECAY**(rep // rotation)
   return norm0 * NORM_RATIO
 
 
-def max_norm_schedule(regime, norm0, n):
-  """max_norm for n consecutive repetitions, as device scalars made before the clock starts.
+def max_norm_schedule(regime, norm0, n, first=0, rotation=1):
+  """max_norm for repetitions first ... first + n - 1, as device scalars made before the clock
+  starts.
 
   They are weakly typed, as a literal max_norm is, so optax keeps bf16 trees in bf16.
   """
   if regime == "clip":
-    return [jnp.asarray(max_norm_at(regime, norm0, j)) for j in range(n)]
+    return [jnp.asarray(max_norm_at(regime, norm0, first + j, rotation)) for j in range(n)]
   return [jnp.asarray(max_norm_at(regime, norm0, 0))] * n
 
 
-def regime_holds(regime, trees, norm0, reps_done):
+def regime_holds(regime, trees, norm0, reps_done, rotation=1):
   """After a round: would the next repetition still clip (or still not clip)?"""
   norms = [float(f32_norm(t)) for t in trees]
-  next_max = max_norm_at(regime, norm0, reps_done)
+  next_max = max_norm_at(regime, norm0, reps_done, rotation)
   if not all(math.isfinite(n) for n in norms):
     return False
   return all((n > next_max) if regime == "clip" else (n <= next_max) for n in norms)
@@ -355,20 +362,34 @@ def clip_transform(impl, andrea_impl):
   return lambda max_norm: clipjax.andrea_clip(max_norm, impl=impl_arg)
 
 
-def repeated_clip(make_clip, name="repeated_clip"):
-  """jit(trees, max_norms) -> trees: repetition k clips trees[k % len(trees)] with max_norms[k].
+def repeated_clip(make_clip, loops=1, decay=1.0, name="repeated_clip"):
+  """jit(trees, max_norms) -> trees: U = len(max_norms) clips written out, run `loops` times.
 
-  Each repetition's output is the next one's input, through an optimization barrier, so XLA
-  can neither fuse one repetition's scaling into the next one's norm nor drop a repetition.
-  The trees are donated: the custom call writes in place, the pure-JAX clips reuse buffers.
+  Repetition k of a pass clips trees[k % len(trees)] with max_norms[k]; after each pass every
+  max_norm is multiplied by `decay` (a Python float, so they stay weakly typed as a literal
+  max_norm is). Each repetition's output is the next one's input, through an optimization
+  barrier, so XLA can neither fuse one repetition's scaling into the next one's norm nor drop
+  a repetition. The trees are donated: the custom call writes in place, the pure-JAX clips
+  reuse buffers. With loops > 1 the passes are a fori_loop, so a call can hold thousands of
+  clips (enough GPU work to hide the host's dispatch of hundreds of arrays) while XLA
+  compiles only U of them.
   """
-  def run(trees, max_norms):
+  def one_pass(trees, max_norms):
     trees = list(trees)
     for k, m in enumerate(max_norms):
       i = k % len(trees)
       tx = make_clip(m)
       trees[i] = jax.lax.optimization_barrier(tx.update(trees[i], tx.init(trees[i]))[0])
     return trees
+
+  def run(trees, max_norms):
+    if loops == 1:
+      return one_pass(trees, max_norms)
+
+    def body(_, carry):
+      trees, ms = carry
+      return one_pass(trees, ms), tuple(m * decay for m in ms) if decay != 1.0 else ms
+    return jax.lax.fori_loop(0, loops, body, (list(trees), tuple(max_norms)))[0]
   run.__name__ = name
   return jax.jit(run, donate_argnums=0)
 
@@ -411,10 +432,11 @@ class JaxFunctions:
     self.andrea_impl = andrea_impl
     self._clips, self._steps = {}, {}
 
-  def clip(self, impl):
-    if impl not in self._clips:
-      self._clips[impl] = repeated_clip(clip_transform(impl, self.andrea_impl))
-    return self._clips[impl]
+  def clip(self, impl, loops=1, decay=1.0):
+    key = (impl, loops, decay)
+    if key not in self._clips:
+      self._clips[key] = repeated_clip(clip_transform(impl, self.andrea_impl), loops, decay)
+    return self._clips[key]
 
   def step(self, variant):
     if variant not in self._steps:
@@ -441,64 +463,76 @@ def jax_copy_bandwidth(n_bytes, calls, repeats):
 
 def bench_jax_clip(fns, impl, case, regime, cfg):
   """One clip in one regime: in-jit (K clips per jitted call), and one clip per call."""
-  fn, seeds = fns.clip(impl), [100 + i for i in range(case.rotation)]
-  K = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps), impl, case,
-                  regime, cfg)
+  seeds = [100 + i for i in range(case.rotation)]
+  U, loops = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps),
+                         impl, case, regime, cfg)
+  R = case.rotation
+  U = -(-U // R) * R  # a whole number of times round the trees per pass
+  K = U * loops
+  fn = fns.clip(impl, loops, DECAY**(U // R) if regime == "clip" else 1.0)
+  injit_calls = cfg.iters
+  if regime == "clip":
+    injit_calls = max(PROFILED_CALLS + 1, min(injit_calls, MAX_CLIPS_PER_TREE * R // K))
+  one = fns.clip(impl)
   norm0 = min(float(f32_norm(case.random_tree(s))) for s in seeds)
   example = [case.random_tree(s) for s in seeds]
-  out = {"reps": K,
-         "hlo_injit": compile_and_inspect(fn, example, tuple(max_norm_schedule(regime, 1., K))),
-         "hlo_call": compile_and_inspect(fn, example[:1], tuple(max_norm_schedule(regime, 1., 1)))}
+  out = {"reps": K, "reps_written_out": U, "loops": loops,
+         "hlo_injit": compile_and_inspect(fn, example, tuple(max_norm_schedule(regime, 1., U))),
+         "hlo_call": compile_and_inspect(one, example[:1], tuple(max_norm_schedule(regime, 1., 1)))}
   del example
 
   def fresh_for(per_call, calls):
+    # The first U max_norms of each call (the loop scales them down pass by pass).
     def fresh(state):
       del state
       return {"arrays": [case.random_tree(s) for s in seeds],
-              "ms": max_norm_schedule(regime, norm0, per_call * max(calls, WARMUP_CALLS))}
+              "ms": [m for c in range(max(calls, WARMUP_CALLS, PROFILED_CALLS))
+                     for m in max_norm_schedule(regime, norm0, min(per_call, U),
+                                                first=c * per_call, rotation=R)]}
     return fresh
 
   def call_injit(state, c):
-    state["arrays"] = fn(state["arrays"], tuple(state["ms"][c * K:(c + 1) * K]))
+    state["arrays"] = fn(state["arrays"], tuple(state["ms"][c * U:(c + 1) * U]))
     return state
 
   def call_one(state, c):
     i = c % case.rotation
-    state["arrays"][i] = fn([state["arrays"][i]], (state["ms"][c],))[0]
+    state["arrays"][i] = one([state["arrays"][i]], (state["ms"][c],))[0]
     return state
 
   ok = True
-  for key, per_call, call, calls in (("injit", K, call_injit, cfg.iters),
+  out["calls_per_round_injit"] = injit_calls
+  for key, per_call, call, calls in (("injit", K, call_injit, injit_calls),
                                      ("call", 1, call_one, cfg.iters * PER_CALL_FACTOR)):
     timing = seconds_per_call(fresh_for(per_call, calls), call, calls, cfg.repeats,
                               profile=key == "injit" and not cfg.no_profile)
     record(out, key, timing, per_call)
     ok = ok and regime_holds(regime, timing["state"]["arrays"], norm0,
-                             per_call * timing["calls_since_fresh"])
+                             per_call * timing["calls_since_fresh"], R)
     del timing
   out["regime_ok"] = ok
   return out
 
 
-# K is given for gpt120m f32 in the clipping regime (3 x 395 MB moved per clip). A clip that
-# moves fewer bytes (a smaller tree, bf16, or not clipping: N bytes instead of 3N) gets a
-# proportionally larger K, up to MAX_REPS_SCALE times and at most MAX_REPS[impl], so that a
-# jitted call holds as much GPU work: otherwise its host dispatch (1.3-2 ms for 100-200
-# donated arrays) outlasts the GPU's part and the in-jit time measures the host. On an
-# H200, gpt12m f32 at K = 10 took 2.2 ms per call for 0.65 ms of kernels, and gpt120m f32
-# not clipping at K = 10 took 1.77 ms per call for 1.07 ms. The caps bound compile time,
-# which grows faster than K (optax at K = 8 on gpt120m bf16: 26 s).
-REPS_REFERENCE_BYTES = 3 * 98_820_096 * 4
-MAX_REPS_SCALE = 8
-MAX_REPS = {"ffi": 80, "optax": 16, "jax": 4}
+# K, the clips per in-jit call, is what moves CALL_BYTES (3N bytes per clip clipping, N not),
+# at least the K given and at most MAX_REPS[impl]: a call then holds about 12 ms of GPU work
+# at an H200's bandwidth, well above the host's dispatch of the call (about 6.5 ms on an H200
+# for four gpt12m bf16 trees, 404 donated arrays; with 80 clips per call, 1.2-2.1 ms of GPU
+# work, the in-jit times were 3-4x the device times). At most UNROLL[impl] clips are written
+# out (compile time grows faster than that number: optax at 8 on gpt120m bf16 took 26 s); a
+# larger K runs them in a loop, K = passes x written out.
+CALL_BYTES = 50e9
+MAX_REPS = {"ffi": 2400, "optax": 128, "jax": 48}
+UNROLL = {"ffi": 80, "optax": 16, "jax": 4}
 
 
 def scaled_reps(K, impl, case, regime, cfg):
-  moved = case.grad_bytes * (3 if regime == "clip" else 1)
-  if cfg.no_scale_reps or moved >= REPS_REFERENCE_BYTES:
-    return K
-  return max(K, min(MAX_REPS[impl], K * min(MAX_REPS_SCALE,
-                                            math.ceil(REPS_REFERENCE_BYTES / moved))))
+  """(clips written out U, passes) for one in-jit call; K = U x passes."""
+  if not cfg.no_scale_reps:
+    moved = case.grad_bytes * (3 if regime == "clip" else 1)
+    K = max(K, min(MAX_REPS[impl], math.ceil(CALL_BYTES / moved)))
+  loops = math.ceil(K / (cfg.unroll or UNROLL[impl]))
+  return math.ceil(K / loops), loops
 
 
 def record(out, key, timing, per_call):
@@ -896,9 +930,11 @@ def parse_args(argv=None):
                  help="K for andrea_clip(impl='jax') (its compile time grows faster than K)")
   p.add_argument("--step-reps", type=int, default=1, help="optimizer steps per jitted call")
   p.add_argument("--no-scale-reps", action="store_true",
-                 help="keep K as given for every case (default: a clip that moves fewer bytes "
-                      "than gpt120m f32 clipping gets K times the ratio, at most 8 times and "
-                      "at most MAX_REPS, so the GPU, not the host, bounds a call)")
+                 help="keep K as given for every case (default: K clips move CALL_BYTES, at "
+                      "most MAX_REPS, so the GPU, not the host, bounds a call)")
+  p.add_argument("--unroll", type=int, default=None,
+                 help="clips written out per in-jit call at most; more run in a loop "
+                      "(default: UNROLL, per clip)")
   p.add_argument("--iters", type=int, default=30,
                  help="jitted calls per timed round (the first call's dispatch, before the GPU "
                       "starts, is spread over them)")
@@ -925,6 +961,7 @@ def parse_args(argv=None):
   if args.quick:
     args.models = args.models or "tiny"
     args.reps, args.optax_reps, args.jax_reps, args.step_reps = 3, 3, 2, 2
+    args.unroll = 2  # K = 3 runs as 2 passes of 2: the loop is tested too
     args.iters, args.step_iters, args.repeats = 2, 2, 2
     args.rotate_bytes, args.max_seconds, args.no_scale_reps = 0, 0, True
   args.models = choices(p, "--models", args.models or "gpt120m,gpt12m", MODELS)
@@ -1073,7 +1110,9 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
       log(f"  clip {regime:6s} {LABELS[impl]:16s} in-jit {r['us_injit']:9.1f} us  device "
           f"{_num(r.get('us_device'), 9)} us  per call {r['us_call']:9.1f} us  "
           f"floor {floors[regime]:7.1f} us  "
-          f"(K={r['reps']}, compile {r['hlo_injit']['compile_s']} s, "
+          f"(K={r['reps']}" + (f" = {r['loops']} x {r['reps_written_out']}"
+                               if r.get("loops", 1) > 1 else "")
+          + f", compile {r['hlo_injit']['compile_s']} s, "
           f"case {log.elapsed() - t0:.0f} s)"
           + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
       log_kernels(r)
@@ -1102,11 +1141,14 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args):
 
 
 def log_kernels(r, top=4):
-  """The kernels (and copies) a clip's device time went to, per clip, longest first."""
+  """The kernels (and copies) a clip's device time went to, per clip, longest first. Their
+  spans may overlap: clipjax's final and scale kernels start early (on sm_90) and wait on the
+  device for the kernel before them, and that wait is part of their span."""
   kernels = r.get("kernels_us") or {}
   if kernels:
-    log("      kernels per clip: " + ", ".join(
-        f"{name[:48]} {us:.1f} us" for name, us in list(kernels.items())[:top]))
+    short = lambda name: (re.search(r"\bk_\w+", name) or re.search(r".{0,48}", name))[0]  # noqa: E731
+    log("      kernel spans per clip: " + ", ".join(
+        f"{short(name)} {us:.1f} us" for name, us in list(kernels.items())[:top]))
 
 
 def save_partial(results, args):

@@ -56,11 +56,13 @@ if has sanitize || has memcheck || has racecheck; then
   # The platform allocator gives every buffer its own cudaMalloc, so an
   # out-of-bounds access is seen instead of landing inside XLA's arena.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
-  # racecheck runs the cases in three processes: run over all eleven in one process,
-  # compute-sanitizer itself crashed (SIGSEGV) on an H200, while each group is clean.
+  # racecheck runs the cases in four processes: over all eleven in one process, and once
+  # over five, compute-sanitizer itself crashed (SIGSEGV) on an H200 after cases that
+  # passed, with no hazard reported; each group of three or fewer has been clean.
   racecheck_groups=("mixed dtypes,odd sizes,scale call"
                     "one big leaf,1100 leaves (two tables),below max_norm"
-                    "per tensor,nan propagates,nan zero-fills,inf propagates,inf zero-fills")
+                    "per tensor,nan propagates,nan zero-fills"
+                    "inf propagates,inf zero-fills")
   for tool in memcheck racecheck; do
     has sanitize || has $tool || continue
     extra=(); [[ $tool == memcheck ]] && extra=(--leak-check no)

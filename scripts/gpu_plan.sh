@@ -11,7 +11,8 @@
 #   correctness   tests/test_gpu.py, test_andrea_clip.py and test_scale_call.py (or the
 #                 pytest arguments in CORRECTNESS_TESTS), then memcheck and racecheck
 #   bench         benchmarks/bench_clip.py (extra arguments in BENCH_ARGS, or in
-#                 BENCH_ARGS_<GPU> for the job on that GPU)
+#                 BENCH_ARGS_<GPU> for the job on that GPU; " ; " between two argument
+#                 lists runs the script once for each, one after the other)
 #   sharded       tests/test_sharded.py, then benchmarks/bench_sharded.py (two GPUs)
 #   equivalence   the fallback-vs-CUDA experiment with its control run
 #   timing        the clip-timing experiment
@@ -53,13 +54,23 @@ job_correctness() {  # $1: log folder
   grep -h -A4 "gpu_check summary" "$1/test.out" "$1/sanitize.out"
   return $rc
 }
-job_bench() {  # arguments: BENCH_ARGS_<GPU> for the job on that GPU, else BENCH_ARGS
-  local own="BENCH_ARGS_${CUDA_VISIBLE_DEVICES:-}"
-  # shellcheck disable=SC2086  # a list of arguments
-  run timeout "$(left)" $PY benchmarks/bench_clip.py --no-probe \
-    --max-seconds "$(( $(left) - 100 ))" --out "$1/bench.json" ${!own:-${BENCH_ARGS:-}} \
-    > "$1/bench.log" 2>&1
-  local rc=$?; tail -n 45 "$1/bench.log"; return $rc
+job_bench() {  # arguments: BENCH_ARGS_<GPU> for the job on that GPU, else BENCH_ARGS;
+  # " ; " separates several runs one after the other (bench.json, bench-2.json, ...)
+  local own="BENCH_ARGS_${CUDA_VISIBLE_DEVICES:-}" rc=0 i=0 part
+  local all=${!own:-${BENCH_ARGS:-}}
+  while :; do
+    part=${all%% ; *}
+    i=$(( i + 1 )); local suffix=""; (( i > 1 )) && suffix="-$i"
+    local start=$(( $(left) - 100 )); (( start < 1 )) && start=1  # 0 would mean no limit
+    # shellcheck disable=SC2086  # a list of arguments
+    run timeout "$(left)" $PY benchmarks/bench_clip.py --no-probe \
+      --max-seconds "$start" --out "$1/bench$suffix.json" $part \
+      > "$1/bench$suffix.log" 2>&1 || rc=1
+    tail -n 45 "$1/bench$suffix.log"
+    [[ $all == *" ; "* ]] || break
+    all=${all#* ; }
+  done
+  return $rc
 }
 job_sharded() {
   run timeout "$(( $(left) < 200 ? $(left) : 200 ))" $PY -m pytest -q -ra \

@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -123,15 +125,18 @@ def test_clips_moving_fewer_bytes_get_more_repetitions_per_call():
   case = {(m, d): b.Case.make(m, d, 0) for m in ("gpt120m", "gpt12m") for d in ("f32", "bf16")}
   K = lambda impl, m, d, regime: b.scaled_reps(  # noqa: E731
       {"ffi": 10, "optax": 4, "jax": 2}[impl], impl, case[m, d], regime, cfg)
-  assert K("ffi", "gpt120m", "f32", "clip") == 10  # the reference: 3 x 395 MB per clip
-  assert K("ffi", "gpt120m", "f32", "noclip") == 30  # N bytes, not 3N
-  assert K("ffi", "gpt120m", "bf16", "clip") == 20
-  assert K("ffi", "gpt12m", "f32", "clip") == 60  # 17.5M of 98.8M parameters
-  assert K("ffi", "gpt12m", "bf16", "noclip") == 80  # 8 times at most, and MAX_REPS
-  assert K("optax", "gpt12m", "f32", "clip") == 16  # optax's compile time bounds its K
-  assert K("jax", "gpt120m", "f32", "clip") == 2
+  # (clips written out, passes of the loop): K moves CALL_BYTES (50 GB)
+  assert K("ffi", "gpt120m", "f32", "clip") == (43, 1)  # 3 x 395 MB per clip
+  assert K("ffi", "gpt120m", "f32", "noclip") == (64, 2)  # N bytes, not 3N: 127 -> 2 x 64
+  assert K("ffi", "gpt12m", "bf16", "noclip") == (80, 18)  # 1425, written out 80 at a time
+  assert K("optax", "gpt12m", "f32", "clip") == (16, 8)  # optax: MAX_REPS 128, 16 written out
+  assert K("jax", "gpt120m", "f32", "clip") == (4, 11)
   cfg.no_scale_reps = True
-  assert K("ffi", "gpt12m", "bf16", "noclip") == 10
+  assert K("ffi", "gpt12m", "bf16", "noclip") == (10, 1)
+  cfg.unroll = 4
+  assert K("ffi", "gpt12m", "bf16", "noclip") == (4, 3)  # 10 -> 3 passes of 4
+  cfg.no_scale_reps, cfg.unroll = False, None
+  assert K("ffi", "gpt120m", "f32", "clip") == (43, 1)
 
 
 def test_racecheck_groups_cover_every_sanitizer_case_once():
@@ -139,7 +144,7 @@ def test_racecheck_groups_cover_every_sanitizer_case_once():
   script = (ROOT / "scripts" / "gpu_check.sh").read_text()
   block = script[script.index("racecheck_groups=("):]
   groups = re.findall(r'"([^"$]+)"', block[:block.index(")\n")])
-  assert len(groups) == 3
+  assert len(groups) == 4
   names = [n for g in groups for n in g.split(",")]
   listed = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "no such case"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -149,3 +154,27 @@ def test_racecheck_groups_cover_every_sanitizer_case_once():
   run = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", groups[0]], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
   assert run.returncode == 0 and run.stdout.count("ok  ") == len(groups[0].split(","))
+
+
+@pytest.mark.parametrize("impl", ["ffi", "optax"])
+def test_clips_in_a_loop_are_the_clips_written_out(impl):
+  """K clips as passes of a loop (max_norms scaled down pass by pass) give the same trees as
+  the K clips written out with the same max_norm schedule."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    import bench_clip as b
+  finally:
+    sys.path.pop(0)
+  import jax
+  import numpy as np
+
+  case = b.Case.make("tiny", "f32", 0)
+  fns = b.JaxFunctions("auto")
+  norm0 = float(b.f32_norm(case.random_tree(1)))
+  trees = lambda: [case.random_tree(1), case.random_tree(2)]  # noqa: E731
+  ms = b.max_norm_schedule("clip", norm0, 6)
+  written_out = fns.clip(impl)(trees(), tuple(ms))
+  looped = fns.clip(impl, 3, b.DECAY**2)(trees(), tuple(ms[:2]))
+  for x, y in zip(jax.tree.leaves(written_out), jax.tree.leaves(looped)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6)
+  assert all(float(b.f32_norm(t)) < norm0 / b.NORM_RATIO for t in looped)  # all clipped
