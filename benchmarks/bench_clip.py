@@ -388,7 +388,7 @@ def repeated_clip(make_clip, loops=1, decay=1.0, name="repeated_clip"):
 
     def body(_, carry):
       trees, ms = carry
-      return one_pass(trees, ms), tuple(m * decay for m in ms) if decay != 1.0 else ms
+      return one_pass(trees, ms), (tuple(m * decay for m in ms) if decay != 1.0 else ms)
     return jax.lax.fori_loop(0, loops, body, (list(trees), tuple(max_norms)))[0]
   run.__name__ = name
   return jax.jit(run, donate_argnums=0)
@@ -463,10 +463,10 @@ def jax_copy_bandwidth(n_bytes, calls, repeats):
 
 def bench_jax_clip(fns, impl, case, regime, cfg):
   """One clip in one regime: in-jit (K clips per jitted call), and one clip per call."""
-  seeds = [100 + i for i in range(case.rotation)]
+  R = case.rotation
+  seeds = [100 + i for i in range(R)]
   U, loops = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps),
                          impl, case, regime, cfg)
-  R = case.rotation
   U = -(-U // R) * R  # a whole number of times round the trees per pass
   K = U * loops
   fn = fns.clip(impl, loops, DECAY**(U // R) if regime == "clip" else 1.0)
@@ -496,7 +496,7 @@ def bench_jax_clip(fns, impl, case, regime, cfg):
     return state
 
   def call_one(state, c):
-    i = c % case.rotation
+    i = c % R
     state["arrays"][i] = one([state["arrays"][i]], (state["ms"][c],))[0]
     return state
 
@@ -1146,9 +1146,14 @@ def log_kernels(r, top=4):
   device for the kernel before them, and that wait is part of their span."""
   kernels = r.get("kernels_us") or {}
   if kernels:
-    short = lambda name: (re.search(r"\bk_\w+", name) or re.search(r".{0,48}", name))[0]  # noqa: E731
     log("      kernel spans per clip: " + ", ".join(
-        f"{short(name)} {us:.1f} us" for name, us in list(kernels.items())[:top]))
+        f"{short_kernel_name(name)} {us:.1f} us" for name, us in list(kernels.items())[:top]))
+
+
+def short_kernel_name(name):
+  """clipjax's kernel name (k_...) out of a demangled signature; else the first 48 characters."""
+  found = re.search(r"\bk_\w+", name)
+  return found[0] if found else name[:48]
 
 
 def save_partial(results, args):

@@ -12,6 +12,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _bench_clip():
+  """benchmarks/bench_clip.py as a module."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    import bench_clip  # noqa: PLC0415
+  finally:
+    sys.path.pop(0)
+  return bench_clip
+
+
 def _run(args, tmp_path, **env):
   out = tmp_path / "out.json"
   run = subprocess.run([sys.executable, *args, "--quick", "--out", str(out)], cwd=ROOT,
@@ -42,8 +52,7 @@ def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
 
 
 def test_busy_seconds_is_the_union_of_stream_activity():
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import bench_clip  # noqa: PLC0415
+  bench_clip = _bench_clip()
   from types import SimpleNamespace as NS
   ev = lambda start, dur: NS(start_ns=start, duration_ns=dur)
   streams = [NS(name="Stream #1", events=[ev(0, 100), ev(50, 100)]),  # overlap: 0..150
@@ -55,8 +64,7 @@ def test_busy_seconds_is_the_union_of_stream_activity():
 
 
 def test_kernel_seconds_ranks_the_kernels_of_the_stream_lines():
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import bench_clip  # noqa: PLC0415
+  bench_clip = _bench_clip()
   from types import SimpleNamespace as NS
   ev = lambda name, dur: NS(name=name, start_ns=0, duration_ns=dur)  # noqa: E731
   lines = [NS(name="Stream #1", events=[ev("k_grad_scale", 300), ev("k_grad_norm_final", 50),
@@ -116,11 +124,7 @@ def test_gpu_plan_refuses_an_unknown_job_before_running_anything(tmp_path):
 
 
 def test_clips_moving_fewer_bytes_get_more_repetitions_per_call():
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  try:
-    import bench_clip as b
-  finally:
-    sys.path.pop(0)
+  b = _bench_clip()
   cfg = b.parse_args([])
   case = {(m, d): b.Case.make(m, d, 0) for m in ("gpt120m", "gpt12m") for d in ("f32", "bf16")}
   K = lambda impl, m, d, regime: b.scaled_reps(  # noqa: E731
@@ -160,11 +164,7 @@ def test_racecheck_groups_cover_every_sanitizer_case_once():
 def test_clips_in_a_loop_are_the_clips_written_out(impl):
   """K clips as passes of a loop (max_norms scaled down pass by pass) give the same trees as
   the K clips written out with the same max_norm schedule."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  try:
-    import bench_clip as b
-  finally:
-    sys.path.pop(0)
+  b = _bench_clip()
   import jax
   import numpy as np
 
