@@ -9,6 +9,8 @@ checks the clips against a float64 reference, and times, K clips per jitted call
   - optax:   optax.clip_by_global_norm on the sharded tree (XLA's SPMD partitioner);
   - single:  clipjax.clip_tree, same impl as andrea, on one device holding the whole tree (the
              1-GPU time).
+  - plain, plain_jax: clipjax.clip_tree (the drop-in, no mesh or specs) under jit on the
+             sharded tree, partitioned by XLA: the custom call (as andrea) and pure JAX.
 Layouts: "fsdp" (each leaf split on its first dimension the device count divides, else
 replicated) and "replicated" (every leaf whole on every device, data parallel). It reports the
 collectives in each compiled clip, the per-device memory floor, prints one table and writes JSON.
@@ -52,9 +54,10 @@ import clipjax  # noqa: E402
 F32 = jnp.float32
 AXIS = "data"
 LAYOUTS = ("fsdp", "replicated")
-IMPLS = ("andrea", "jax", "optax", "single")
-SHARDED_IMPLS = ("andrea", "jax", "optax")
-LABELS = {"andrea": "sharded_clip_tree", "jax": "sharded_clip_tree(jax)", "optax": "optax",
+IMPLS = ("plain", "plain_jax", "andrea", "jax", "optax", "single")
+SHARDED_IMPLS = ("plain", "plain_jax", "andrea", "jax", "optax")
+LABELS = {"plain": "clip_tree under jit", "plain_jax": "clip_tree(jax) under jit",
+          "andrea": "sharded_clip_tree", "jax": "sharded_clip_tree(jax)", "optax": "optax",
           "single": "clip_tree, 1 device"}
 SEED = 100
 PROFILED_CALLS = 3
@@ -137,7 +140,13 @@ def device_bytes(tree):
 
 def clip_fn(impl, layout, andrea_impl):
   """(tree, max_norm) -> (clipped tree, global norm or None) for one impl on one layout."""
-  if impl in ("andrea", "jax"):
+  if impl in ("plain", "plain_jax"):
+    which = andrea_impl if impl == "plain" else "jax"
+
+    def clip(tree, m):  # the drop-in: no mesh, no specs; XLA partitions it
+      r = clipjax.clip_tree(tree, m, impl=which)
+      return r.updates, r.global_norm
+  elif impl in ("andrea", "jax"):
     which = andrea_impl if impl == "andrea" else "jax"
 
     def clip(tree, m):
@@ -260,7 +269,7 @@ def run_checks(layout, dtype, impls, ref_norm, andrea_impl):
     log(f"  checked {layout.name} {dtype} {LABELS[impl]} (compile {compile_s} s, "
         f"{time.perf_counter() - t0:.1f} s in all)")
   factor = float(m) / ref_norm
-  for impl in ("andrea", "jax", "single", "optax"):
+  for impl in ("plain", "plain_jax", "andrea", "jax", "single", "optax"):
     if impl in outs:
       err = max_rel_err_vs_f64(outs[impl], tree, factor)
       if impl == "optax":  # reported, not checked: see UPDATE_RTOL
@@ -530,7 +539,7 @@ def main(argv=None):
     save(results, out, complete=False)
   time_all(args, layouts, sharded, andrea_impl, hlos, bw, results, out)
 
-  order = {"andrea": 0, "jax": 1, "optax": 2, "single": 3}
+  order = {impl: i for i, impl in enumerate(IMPLS)}
   layout_order = args.layouts + ["single"]
   results["rows"].sort(key=lambda r: (args.dtypes.index(r["dtype"]),
                                       args.regimes.index(r["regime"]),
@@ -573,7 +582,7 @@ def check_all(args, layouts, sharded, andrea_impl, results):
       for impl, h in found.items():
         hlos[name, dtype, impl] = h
         results["hlo_one_clip"].append(dict(layout=name, dtype=dtype, impl=impl, **h))
-        if impl in ("andrea", "single") and meta["platform"] == "gpu" and not h["custom_calls"]:
+        if impl in ("plain", "andrea", "single") and meta["platform"] == "gpu" and not h["custom_calls"]:
           log(f"  WARNING: {LABELS[impl]} (impl={andrea_impl!r}) on {name} {dtype} holds no "
               "clipjax custom call: it did not lower to the CUDA custom call")
     for c in results["checks"]:
@@ -592,10 +601,11 @@ def time_all(args, layouts, sharded, andrea_impl, hlos, bw, results, out):
   slowest to compile, runs after all the others.
   """
   meta = results["meta"]
-  K = {"andrea": args.reps, "single": args.reps, "optax": args.optax_reps, "jax": args.jax_reps}
+  K = {"plain": args.reps, "andrea": args.reps, "single": args.reps, "optax": args.optax_reps,
+       "plain_jax": args.optax_reps, "jax": args.jax_reps}
   meta["skipped"] = []
   units = [(name, dtype, regime, impl) for dtype in args.dtypes for regime in args.regimes
-           for name in args.layouts for impl in ("andrea", "optax", "jax") if impl in sharded]
+           for name in args.layouts for impl in SHARDED_IMPLS if impl in sharded]
   if "single" in args.impls:
     units += [("single", dtype, regime, "single") for dtype in args.dtypes
               for regime in args.regimes]

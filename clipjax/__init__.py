@@ -4,15 +4,9 @@
 runs three CUDA kernels in one XLA FFI custom call, elsewhere a pure-JAX twin.
 """
 
-from clipjax._clip import (
-    AndreaClipState,
-    ClipResult,
-    andrea_clip,
-    clip_state,
-    clip_tree,
-    global_norm,
-)
+from clipjax._clip import AndreaClipState, andrea_clip, clip_state, clip_tree, global_norm
 from clipjax._ffi import platforms as ffi_platforms
+from clipjax._options import ClipResult
 from clipjax._sharded import clip_tree_in_shard_map, sharded_clip_tree
 
 __all__ = [

@@ -1,8 +1,22 @@
-"""Pure-JAX twin of the custom call (the path CPUs and TPUs take).
+"""Pure-JAX twin of the custom call (the path CPUs and TPUs take), and the clip
+decision that every path shares.
 
-Same contract as `clipjax._ffi.andrea_clip`: returns `(out_leaves, norms,
-flags)`. Squares are summed in float32; when that sum could have overflowed or
-underflowed, the norm is recomputed on leaves rescaled by a power of two.
+Same contract as `clipjax._ffi.andrea_clip`: returns `(out_leaves, norms, flags)`.
+
+Only per-leaf reductions and elementwise ops touch the leaves, so XLA's SPMD
+partitioner runs this on sharded gradients as it runs optax's clip: each device
+reduces its own shards and an all-reduce combines a few floats per leaf. No leaf is
+reshaped, concatenated or passed through a conditional.
+
+Overflow and underflow are handled on scalars, not leaves. Every leaf yields three
+float32 sums of squares in one pass, of x, x * 2**-88 and x * 2**64:
+
+  mid   covers |x| in about [2**-63, 2**63]: used when it is finite and >= 2**-60;
+  big   is finite for any finite leaf (below 2**47 elements): used when mid overflowed;
+  small is exact for tiny leaves: used when mid < 2**-60 (every |x| < 2**-30).
+
+A norm is kept as (root, exponent), norm = root * 2**exponent, so that a norm above
+the float32 range still gives the right scale factor.
 """
 
 from __future__ import annotations
@@ -12,18 +26,12 @@ import jax.numpy as jnp
 from jax import lax
 
 _F32 = jnp.float32
-# A float32 sum of squares at or above this (and finite) lost nothing that
-# matters to underflow; below it, or when it is inf/NaN, rescale and redo.
-_FAST_SUMSQ_MIN = 2.0**-60
+# (exponent k of the factor 2**k applied before squaring) for the mid, big and small sums.
+_SUM_EXPONENTS = (0, -88, 64)
+# mid at or above this (and finite) lost nothing that matters to underflow: an element
+# whose square underflows adds below 2**-126, a relative 2**-66 per element.
+_MID_SUMSQ_MIN = 2.0**-60
 _PRE_EXP = 64  # a subnormal scale factor is applied as 2**-64 times a normal one
-
-
-def _as_f32(x):
-  """x as float32 for the norm; a complex leaf as its real and imaginary parts (so that
-  |z| above the float32 range does not overflow where its parts do not)."""
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    return jnp.stack([jnp.real(x), jnp.imag(x)]).astype(_F32)
-  return x.astype(_F32)
 
 
 def _pow2(k):
@@ -33,65 +41,46 @@ def _pow2(k):
   return jnp.where(k < -126, _F32(0), lax.bitcast_convert_type(bits, _F32))
 
 
-def _exponent(amax):
-  """e in [-126, 126] with amax * 2**-e below 4 and, for normal amax below
-  2**126, at least 0.5 (so 2**-e is itself a normal float32)."""
-  biased = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
-  return jnp.where((biased == 0) | (biased == 0xFF), -126, jnp.minimum(biased - 126, 126))
-
-
 def _unscale(v, e):
   """v * 2**e for e in [-252, 252], in two exact steps (2**e alone may not be a float32)."""
   return v * _pow2(e // 2) * _pow2(e - e // 2)
 
 
-def _rescaled_norms(leaves32):
-  """Per-leaf and global (root, exponent) pairs from leaves rescaled by powers of two.
+def _real_parts(x):
+  """The float32 arrays whose squares sum to |x|^2: x itself, or a complex leaf's parts
+  (so that |z| above the float32 range does not overflow where its parts do not)."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return [jnp.real(x).astype(_F32), jnp.imag(x).astype(_F32)]
+  return [x.astype(_F32)]
 
-  Each leaf is multiplied by 2**-e (e from its largest magnitude), so its
-  squares neither overflow nor underflow where it matters; a norm is
-  root * 2**e. Returns ((global root, global e), (leaf roots, leaf exponents)).
+
+def leaf_sums(x):
+  """f32[3]: the leaf's mid, big and small sums of squares, read in one pass."""
+  # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
+  # x^2 * c^2 and fold c^2, which is 0 or inf in float32.
+  factors = lax.optimization_barrier([_F32(2.0**k) for k in _SUM_EXPONENTS])
+  sums = [sum(jnp.sum(jnp.square(part * c)) for part in _real_parts(x)) for c in factors]
+  return jnp.stack(sums)
+
+
+def pick_norm(sums):
+  """(root, exponent) of the norm from sums [..., 3] (mid, big, small), elementwise.
+
+  The root is finite whenever the elements are (even where the norm overflows float32),
+  and NaN or inf where one is not.
   """
-  amax = jnp.stack([jnp.max(jnp.abs(x), initial=_F32(0)) for x in leaves32])
-  exps = _exponent(amax)
-  sums = jnp.stack([jnp.sum(jnp.square(x * _pow2(-exps[i]))) for i, x in enumerate(leaves32)])
-  top = jnp.max(exps)
-  total = jnp.sum(sums * _pow2(2 * (exps - top)))
-  return (jnp.sqrt(total), top), (jnp.sqrt(sums), exps)
+  mid, big, small = sums[..., 0], sums[..., 1], sums[..., 2]
+  use_mid = jnp.isfinite(mid) & (mid >= _MID_SUMSQ_MIN)
+  use_small = mid < _MID_SUMSQ_MIN  # False for a NaN or inf mid
+  root = jnp.where(use_mid, jnp.sqrt(mid), jnp.where(use_small, jnp.sqrt(small), jnp.sqrt(big)))
+  exp = jnp.where(use_mid, 0, jnp.where(use_small, -_SUM_EXPONENTS[2], -_SUM_EXPONENTS[1]))
+  return root, exp.astype(jnp.int32)
 
 
-def _rescaled_global_norm(leaves32):
-  """The global (root, exponent) from all leaves rescaled by one power of two.
-
-  Only taken when the float32 sum of squares overflowed or underflowed, so
-  it favours compile time over speed: the leaves are flattened into one vector
-  and reduced by a handful of operations whatever their number.
-  """
-  flat = jnp.concatenate([x.reshape(-1) for x in leaves32])
-  e = _exponent(jnp.max(jnp.abs(flat), initial=_F32(0)))
-  return jnp.sqrt(jnp.sum(jnp.square(flat * _pow2(-e)))), e
-
-
-def norms(leaves, *, per_leaf_exact: bool):
-  """((global root, global exponent), (leaf roots, leaf exponents)).
-
-  A norm is root * 2**exponent (`_unscale`); the root is finite whenever the
-  leaves are, even where the norm itself is above the float32 range. With
-  `per_leaf_exact` every leaf norm is computed rescaled (two passes per leaf);
-  otherwise the per-leaf norms come from the fast float32 sums (exponent 0)
-  and only the global norm is guaranteed against overflow and underflow.
-  """
-  leaves32 = [_as_f32(x) for x in leaves]
-  if per_leaf_exact:
-    return _rescaled_norms(leaves32)
-  sums = jnp.stack([jnp.sum(jnp.square(x)) for x in leaves32])
-  total = jnp.sum(sums)
-  fast_ok = jnp.isfinite(total) & (total >= _FAST_SUMSQ_MIN)
-  # The fast branch's exponent, 0, is computed from `total` so that inside shard_map
-  # it varies over the same mesh axes as the other branch's.
-  root, e = lax.cond(fast_ok, lambda xs: (jnp.sqrt(total), (total < 0).astype(jnp.int32)),
-                     _rescaled_global_norm, leaves32)
-  return (root, e), (jnp.sqrt(sums), jnp.zeros(len(leaves), jnp.int32))
+def norms(leaves):
+  """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc."""
+  sums = jnp.stack([leaf_sums(x) for x in leaves])  # [n, 3]
+  return pick_norm(jnp.sum(sums, axis=0)), pick_norm(sums)
 
 
 def scale_leaf(x, scale, keep, zero_fill, pre):
@@ -128,26 +117,43 @@ def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
   return scale, keep & ~zero_fill, zero_fill, pre
 
 
-def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
-  max_norm = jnp.asarray(max_norm, _F32).reshape(())
-  per_tensor = mode == "per_tensor"
-  (root, exp), (leaf_roots, leaf_exps) = norms(leaves, per_leaf_exact=per_tensor)
-  global_norm, leaf_norms = _unscale(root, exp), _unscale(leaf_roots, leaf_exps)
-  all_finite = jnp.isfinite(root)  # finite leaves, even where the norm overflows float32
+def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf_exps, *,
+                     mode: str, on_nonfinite: str, scale_leaves: bool, scale_fn=None):
+  """The decision from the norms (as (root, exponent) pairs), then the scale.
+
+  Every path ends here: the pure-JAX clip, and the sharded clips after their all-reduce.
+  `scale_fn(scale, pre, keep, zero_fill, leaves)`, when given, scales the leaves (the
+  scale-only custom call); by default each leaf is scaled by `scale_leaf`.
+
+  Returns (out_leaves or None, norms f32[n + 1], flags int32[2]) as the custom call does.
+  """
+  global_norm, leaf_norms = _unscale(global_root, global_exp), _unscale(leaf_roots, leaf_exps)
+  all_finite = jnp.isfinite(global_root)  # finite leaves, even where the norm overflows float32
   zero = on_nonfinite == "zero"
-  if per_tensor:
+  if mode == "per_tensor":
     scale, keep, zero_fill, pre = decide(leaf_norms, max_norm, zero, all_finite, leaf_roots,
                                          leaf_exps)
     clipped = jnp.any(~keep)
   else:
-    scale, keep, zero_fill, pre = decide(global_norm, max_norm, zero, all_finite, root, exp)
+    scale, keep, zero_fill, pre = decide(global_norm, max_norm, zero, all_finite, global_root,
+                                         global_exp)
     clipped = ~keep
   flags = jnp.stack([clipped, ~all_finite]).astype(jnp.int32)
   all_norms = jnp.concatenate([global_norm[None], leaf_norms])
   if not scale_leaves:
     return None, all_norms, flags
-  if per_tensor:
+  if scale_fn is not None:
+    return scale_fn(scale, pre, keep, zero_fill, leaves), all_norms, flags
+  if mode == "per_tensor":
     out = [scale_leaf(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(leaves)]
   else:
     out = [scale_leaf(x, scale, keep, zero_fill, pre) for x in leaves]
   return out, all_norms, flags
+
+
+def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+  """The clip of `leaves` in pure JAX; the custom call's contract."""
+  max_norm = jnp.asarray(max_norm, _F32).reshape(())
+  (root, exp), (leaf_roots, leaf_exps) = norms(leaves)
+  return decide_and_scale(max_norm, leaves, root, exp, leaf_roots, leaf_exps, mode=mode,
+                          on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)

@@ -1,9 +1,18 @@
 """Shared helpers: float64 references and random gradient trees."""
 
+import math
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+# Set in a subprocess that runs a test file on N forced CPU devices: N.
+_DEVICES_ENV = "CLIPJAX_TEST_SHARDED_DEVICES"
 
 
 def f64_norm(tree) -> float:
@@ -34,3 +43,53 @@ def has_cuda() -> bool:
 def impl(request):
   """Both implementations that run on this machine's default platform."""
   return request.param
+
+
+def _multi_device_here() -> bool:
+  n = jax.device_count()
+  return n >= 2 and n % 2 == 0
+
+
+def run_file_on_cpu_devices(test_file, count):
+  """Runs `test_file` in a subprocess on `count` CPU devices (XLA fixes the CPU device
+  count when its backend starts, so it cannot change within this process).
+
+  Inside that subprocess, and where this process already has an even number >= 2 of
+  devices (several GPUs), there is nothing to do: the tests run directly.
+  """
+  child = os.environ.get(_DEVICES_ENV)
+  if child:
+    if jax.device_count() != int(child):
+      pytest.fail(f"--xla_force_host_platform_device_count={child} "
+                  f"gave {jax.device_count()} devices")
+    pytest.skip(f"this is the {child}-device run")
+  if _multi_device_here():
+    pytest.skip(f"{jax.device_count()} devices already: the tests of this file run here")
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_DEVICES_ENV: str(count)})
+  run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                       env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+
+
+@pytest.fixture
+def devices():
+  """The device count n, where it is even and at least 2."""
+  if not _multi_device_here():
+    pytest.skip(f"needs an even number >= 2 of devices, not {jax.device_count()}: runs in "
+                "the subprocesses of test_on_cpu_devices, or set "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+  return jax.device_count()
+
+
+def compiled_collectives(hlo: str) -> list:
+  """(op, element count of its largest result) of every collective in compiled HLO text."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
+                  r"collective-permute|collective-broadcast)(-start)?\(", line)
+    if m:
+      sizes = [math.prod(int(d) for d in dims.split(",") if d)
+               for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
+      found.append((m.group(2), max(sizes, default=1)))
+  return found

@@ -14,12 +14,6 @@ Every result is checked against the whole, unsharded tree: the float64 NumPy
 norm and `clipjax.clip_tree` on one device, with both implementations.
 """
 
-import math
-import os
-import re
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,41 +22,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import clipjax
-from conftest import f64_norm
-
-_CHILD = "CLIPJAX_TEST_SHARDED_DEVICES"  # set in a subprocess run: its device count
-
-
-def _runs_here():
-  n = jax.device_count()
-  return n >= 2 and n % 2 == 0
-
+from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 
 @pytest.mark.parametrize("count", [8, 2])
 def test_on_cpu_devices(count):
-  child = os.environ.get(_CHILD)
-  if child:
-    if jax.device_count() != int(child):
-      pytest.fail(f"--xla_force_host_platform_device_count={child} "
-                  f"gave {jax.device_count()} devices")
-    pytest.skip(f"this is the {child}-device run")
-  if _runs_here():
-    pytest.skip(f"{jax.device_count()} devices already: the tests below run here")
-  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_CHILD: str(count)})
-  run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
-
-
-@pytest.fixture
-def devices():
-  """The device count n, where it is even and at least 2."""
-  if not _runs_here():
-    pytest.skip(f"needs an even number >= 2 of devices, not {jax.device_count()}: runs in "
-                "the subprocesses of test_on_cpu_devices, or set "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=N")
-  return jax.device_count()
+  run_file_on_cpu_devices(__file__, count)
 
 
 def _mesh(shape, names, axis_type=AxisType.Auto):
@@ -253,19 +217,6 @@ def test_nonfinite_in_one_shard_reaches_every_device(devices, impl, bad, on_nonf
 # --- no gradient-sized collectives ---------------------------------------------------------
 
 
-def _collectives(hlo):
-  """(op, element count) of every collective in compiled HLO text."""
-  found = []
-  for line in hlo.splitlines():
-    m = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|reduce-scatter|"
-                  r"collective-permute)(-start)?\(", line)
-    if m:
-      sizes = [math.prod(int(d) for d in dims.split(",") if d)
-               for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
-      found.append((m.group(2), max(sizes, default=1)))
-  return found
-
-
 def test_compiled_hlo_has_no_all_gather(devices, impl):
   mesh, d = _mesh2d(), devices // 2
   tree = _tree({"w": ((24 * d, 40), jnp.float32), "e": ((20, 56), jnp.bfloat16),
@@ -274,7 +225,7 @@ def test_compiled_hlo_has_no_all_gather(devices, impl):
   shard = {k: NamedSharding(mesh, specs[k]).shard_shape(tree[k].shape) for k in tree}
   clip = jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh, specs=specs, impl=impl))
   hlo = clip.lower(_put(tree, mesh, specs)).compile().as_text()
-  collectives = _collectives(hlo)
+  collectives = compiled_collectives(hlo)
   assert collectives and {op for op, _ in collectives} == {"all-reduce"}, collectives
   # A few floats per leaf (its norm, and the group's; XLA may merge the pmax and the psum
   # into one all-reduce): nothing gradient-sized.

@@ -1,0 +1,72 @@
+"""Which implementation runs a clip: the custom call or its pure-JAX twin.
+
+`impl="auto"` is decided when lowering (`lax.platform_dependent`): the custom call on
+CUDA, pure JAX elsewhere (CPU, TPU). Under `jax.jit` on sharded leaves the custom call
+is partitioned per shard (`_partition.py`), and the pure-JAX twin is partitioned by XLA
+like any per-leaf reduction; neither gathers a leaf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _ffi, _jax_impl, _options, _partition
+
+
+def default_platform() -> str:
+  """The lowering platform of the default backend ("gpu" resolved to cuda/rocm)."""
+  platform = jax.default_backend()
+  if platform == "gpu":
+    version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+    platform = "rocm" if "rocm" in version else "cuda"
+  return platform
+
+
+def ffi_supports(leaves) -> bool:
+  return all(jnp.dtype(x.dtype) in _ffi.SUPPORTED_DTYPES for x in leaves)
+
+
+def check_ffi(paths, leaves):
+  """impl="ffi" needs a handler for this platform and leaves of a supported dtype."""
+  platform = default_platform()
+  if not _ffi.has_handler(platform):
+    raise RuntimeError(_ffi.missing_handler_message(platform))
+  for path, x in zip(paths, leaves):
+    if jnp.dtype(x.dtype) not in _ffi.SUPPORTED_DTYPES:
+      raise TypeError(f"clipjax: impl='ffi' supports float32, bfloat16 and float16 leaves; "
+                      f"leaf {_options.where(path)} is {x.dtype}. Use impl='jax' or 'auto'.")
+
+
+def shard_impl(impl, leaves) -> str:
+  """impl for code that already runs per device (inside shard_map), decided when tracing.
+
+  There the two branches of a lowering-time choice would have to agree on the mesh axes
+  their outputs vary over, and the custom call's outputs carry none.
+  """
+  if impl != "auto":
+    return impl
+  use_ffi = default_platform() == "cuda" and _ffi.has_handler("cuda") and ffi_supports(leaves)
+  return "ffi" if use_ffi else "jax"
+
+
+def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_leaves):
+  """The clip of `leaves` by `impl`: `(out_leaves or None, norms f32[n + 1], flags int32[2])`."""
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
+  if impl == "jax":
+    return _jax_impl.andrea_clip(max_norm, leaves, **kwargs)
+  if impl == "ffi":
+    return _partition.partitioned_clip(max_norm, leaves, **kwargs)
+  if not (_ffi.has_handler("cuda") and ffi_supports(leaves)):
+    return _jax_impl.andrea_clip(max_norm, leaves, **kwargs)
+
+  def branch(fn):
+    def call(max_norm, *leaves):
+      out, norms, flags = fn(max_norm, list(leaves), **kwargs)
+      return (*(out or []), norms, flags)
+    return call
+
+  outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(_partition.partitioned_clip),
+                                    default=branch(_jax_impl.andrea_clip))
+  out = list(outs[:-2]) if scale_leaves else None
+  return out, outs[-2], outs[-1]

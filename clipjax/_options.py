@@ -1,0 +1,85 @@
+"""The options every entry point takes, their checks, and the leaves they act on."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "jax", "ffi")
+MODES = ("global", "per_tensor")
+NONFINITE_POLICIES = ("propagate", "zero")
+
+
+class ClipResult(NamedTuple):
+  """What a clip returns: the clipped tree, the float32 norm before clipping, whether it
+  was clipped, whether the norm was NaN/inf, and the per-leaf float32 norms."""
+  updates: object
+  global_norm: jax.Array
+  clipped: jax.Array
+  nonfinite: jax.Array
+  leaf_norms: list
+
+
+def empty_result(tree) -> ClipResult:
+  zero = jnp.zeros((), jnp.float32)
+  return ClipResult(tree, zero, jnp.zeros((), bool), jnp.zeros((), bool), [])
+
+
+def make_result(treedef, out, norms, flags) -> ClipResult:
+  """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2])."""
+  return ClipResult(jax.tree_util.tree_unflatten(treedef, out), norms[0], flags[0] != 0,
+                    flags[1] != 0, [norms[1 + i] for i in range(norms.shape[0] - 1)])
+
+
+def check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"clipjax: {name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def check_max_norm(max_norm):
+  if isinstance(max_norm, jax.core.Tracer):
+    return  # e.g. injected by optax.inject_hyperparams: checked by the caller
+  if isinstance(max_norm, (bool, np.bool_)):
+    raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
+  try:
+    value = np.asarray(max_norm)
+  except Exception as e:  # noqa: BLE001 - report any unconvertible object
+    raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}") from e
+  if value.shape != () or not np.issubdtype(value.dtype, np.number):
+    raise ValueError(f"clipjax: max_norm must be a scalar number; got {max_norm!r}")
+  if not (math.isfinite(float(value)) and float(value) > 0):
+    raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
+
+
+def check_options(max_norm, impl, mode, on_nonfinite):
+  check_choice("impl", impl, IMPLS)
+  check_choice("mode", mode, MODES)
+  check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+  check_max_norm(max_norm)
+
+
+def where(path) -> str:
+  """A leaf's path as users write it, e.g. ['layer']['w']."""
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def flatten(tree):
+  """Leaves (as arrays) with their paths; rejects leaves that are not floats."""
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = []
+  for path, leaf in paths_leaves:
+    if not hasattr(leaf, "dtype"):
+      if isinstance(leaf, (float, int)) and not isinstance(leaf, bool):
+        leaf = jnp.asarray(leaf, jnp.float32)
+      else:
+        raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not an array")
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise TypeError(f"clipjax: leaf {where(path)} has dtype {leaf.dtype}; gradients must be "
+                      "floating point (float32, bfloat16, float16). Integer and bool leaves "
+                      "cannot be clipped: mask them out (e.g. optax.masked) or drop them.")
+    leaves.append(leaf)
+  return [p for p, _ in paths_leaves], leaves, treedef

@@ -1,0 +1,145 @@
+"""The custom call made partitionable: under `jax.jit` on sharded leaves, XLA's SPMD
+partitioner (Shardy or GSPMD) runs it on each device's shards instead of gathering them.
+
+`partitioned_clip` wraps the whole clip (`_ffi.andrea_clip`) in
+`jax.experimental.custom_partitioning`:
+
+- the sharding rule gives every dimension of every leaf its own factor, passed through
+  from operand to result, so each clipped leaf keeps its operand's sharding; the norms
+  and flags need replication;
+- `_partition` accepts the operands as the partitioner laid them out (nothing is
+  resharded) and lowers, per device, either the whole call (every leaf whole on every
+  device) or `_shards.clip_shards` (norms of the local shards, an all-reduce of a few
+  floats per leaf over the axes each leaf is split on, one scale call);
+- with a single device, or outside a mesh, JAX inlines the whole call.
+
+A dimension that its mesh axes do not divide is padded by the partitioner; its padding
+is masked to zero before the norm (one extra pass over that shard only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from clipjax import _ffi, _shards
+
+
+def _whole_call(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves):
+  del ranks  # static: only the sharding rule reads it
+  out, norms, flags = _ffi.andrea_clip(max_norm, list(leaves), mode=mode,
+                                       on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
+  return (*out, norms, flags) if scale_leaves else (norms, flags)
+
+
+def _sharding_rule(mode, on_nonfinite, scale_leaves, ranks, mesh, operand_types, result_types):
+  """Shardy's rule: a pass-through factor per leaf dimension; norms and flags replicated."""
+  del mode, on_nonfinite, mesh, operand_types, result_types
+  counter = iter(range(sum(ranks)))
+  leaves = [" ".join(f"d{next(counter)}" for _ in range(rank)) for rank in ranks]
+  results = (leaves if scale_leaves else []) + ["norms", "flags"]
+  rule = ", ".join([""] + leaves) + " -> " + ", ".join(results)
+  return rule, {"need_replication_factors": ("norms", "flags")}
+
+
+def _leaf_shardings(mesh, leaf_shapes):
+  """Each leaf's NamedSharding as the partitioner chose it (replicated if it is not one)."""
+  out = []
+  for shape in leaf_shapes:
+    sharding = shape.sharding
+    if not isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(mesh, PartitionSpec())
+    out.append(sharding)
+  return out
+
+
+def _infer_shardings(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result_shape):
+  """GSPMD's rule (the partitioner before Shardy): as `_sharding_rule` says."""
+  del mode, on_nonfinite, ranks, result_shape
+  replicated = NamedSharding(mesh, PartitionSpec())
+  leaves = _leaf_shardings(mesh, arg_shapes[1:]) if scale_leaves else []
+  return (*leaves, replicated, replicated)
+
+
+def _dim_axes(spec, rank):
+  """Per dimension, the mesh axes it is split over (a tuple)."""
+  entries = tuple(spec) + (None,) * (rank - len(spec))
+  return [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
+
+
+def _padding_mask(shard, global_shape, spec, mesh):
+  """`shard` with the partitioner's padding zeroed, or None if it has none."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  valid = None
+  for dim, axes in enumerate(_dim_axes(spec, len(global_shape))):
+    parts = math.prod(sizes[a] for a in axes)
+    if not axes or global_shape[dim] % parts == 0:
+      continue
+    start = lax.axis_index(axes) * shard.shape[dim]
+    index = lax.broadcasted_iota(jnp.int32, shard.shape, dim) + start
+    in_range = index < global_shape[dim]
+    valid = in_range if valid is None else valid & in_range
+  return None if valid is None else jnp.where(valid, shard, jnp.zeros_like(shard))
+
+
+def _partition(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result_shape):
+  del ranks, result_shape
+  replicated = NamedSharding(mesh, PartitionSpec())
+  leaf_shapes = arg_shapes[1:]
+  shardings = _leaf_shardings(mesh, leaf_shapes)
+  leaf_axes = [_shards.spec_axes(s.spec, f"#{i}") for i, s in enumerate(shardings)]
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  leaf_axes = [tuple(a for a in axes if sizes[a] > 1) for axes in leaf_axes]
+
+  def lower_fn(max_norm, *shards):
+    if not any(leaf_axes):
+      return _whole_call(mode, on_nonfinite, scale_leaves, (), max_norm, *shards)
+    masked = [_padding_mask(x, s.shape, sh.spec, mesh)
+              for x, s, sh in zip(shards, leaf_shapes, shardings)]
+    norm_inputs = [x if m is None else m for x, m in zip(shards, masked)]
+    out, norms, flags = _shards.clip_shards(max_norm, list(shards), leaf_axes, impl="ffi",
+                                            mode=mode, on_nonfinite=on_nonfinite,
+                                            scale_leaves=scale_leaves, norm_inputs=norm_inputs)
+    return (*out, norms, flags) if scale_leaves else (norms, flags)
+
+  results = (*(shardings if scale_leaves else []), replicated, replicated)
+  return mesh, lower_fn, results, (replicated, *shardings)
+
+
+_clip = custom_partitioning(_whole_call, static_argnums=(0, 1, 2, 3))
+_clip.def_partition(partition=_partition, infer_sharding_from_operands=_infer_shardings,
+                    sharding_rule=_sharding_rule)
+
+
+@functools.cache
+def _batchable(mode, on_nonfinite, scale_leaves, ranks):
+  """The partitioned call under `jax.vmap`: one call per batch element, in sequence (the
+  partitioner has no batching rule)."""
+
+  @jax.custom_batching.custom_vmap
+  def call(max_norm, *leaves):
+    return _clip(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves)
+
+  @call.def_vmap
+  def _(axis_size, in_batched, max_norm, *leaves):
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip((max_norm, *leaves), in_batched)]
+    outs = lax.map(lambda xs: call(*xs), args)
+    return outs, (True,) * len(outs)
+
+  return call
+
+
+def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+  """`_ffi.andrea_clip`, partitioned per shard under jit (same contract)."""
+  ranks = tuple(x.ndim for x in leaves)
+  outs = _batchable(mode, on_nonfinite, scale_leaves, ranks)(max_norm, *leaves)
+  if scale_leaves:
+    return list(outs[:-2]), outs[-2], outs[-1]
+  return None, outs[0], outs[1]

@@ -1,0 +1,112 @@
+"""The clip as one device sees it: its own shards in, its clipped shards out.
+
+Both sharded entry points end here: the partitioned custom call that the plain
+`andrea_clip` becomes under `jax.jit` on sharded gradients (`_partition.py`), and
+the explicit `shard_map` forms (`_sharded.py`). Leaves are grouped by the set of
+mesh axes they are sharded on, one norm pass per group; a group's shard norms are
+combined over exactly its axes (a replicated leaf is whole on every device, so it
+is not summed again); then every device takes the same decision and scales its own
+shards:
+
+  whole norm  = m * sqrt(psum over the group's axes of (shard norm / m)^2),
+                m = pmax over those axes of the finite shard norms
+                (for each leaf, and for all the group's shards together)
+  global norm = the same over the group norms, each kept as root * 2**exponent
+
+Dividing by m and aligning the exponents keeps every square inside float32, and
+a norm above the float32 range keeps its scale (root * 2**exponent) though it
+reads as inf. Only a few floats per leaf cross devices: one pmax and one psum per
+group.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from clipjax import _ffi, _jax_impl
+
+_F32 = jnp.float32
+
+
+def spec_axes(spec, where: str) -> tuple:
+  """The mesh axes named by `spec` (the PartitionSpec of leaf `where`), each once."""
+  if not isinstance(spec, PartitionSpec):
+    raise TypeError(f"clipjax: the spec for leaf {where} is a {type(spec).__name__}, not a "
+                    "PartitionSpec (for a NamedSharding s, pass s.spec)")
+  axes = []
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      if name is PartitionSpec.UNCONSTRAINED:
+        raise ValueError(f"clipjax: the spec for leaf {where} is unconstrained; name the mesh "
+                         "axes the leaf is sharded on")
+      if name is not None and name not in axes:
+        axes.append(name)
+  return tuple(axes)
+
+
+def _whole_leaf_norms(shard_norms, axes):
+  """Whole norms from this device's shard norms, elementwise, as (root, exponent) with
+  norm = root * 2**exponent, so that a whole norm above the float32 range is kept (a
+  root stays near 1). NaN and inf carry through into the root.
+
+  `shard_norms` are norms of shards of leaves sharded on `axes`.
+  """
+  if not axes:
+    return jnp.frexp(shard_norms)
+  top = lax.pmax(jnp.where(jnp.isfinite(shard_norms), shard_norms, _F32(0)), axes)
+  top = jnp.where(top > 0, top, _F32(1))
+  mantissa, exponent = jnp.frexp(top)
+  return mantissa * jnp.sqrt(lax.psum(jnp.square(shard_norms / top), axes)), exponent
+
+
+def _norm_of_norms(roots, exps):
+  """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
+  top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
+  top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
+  aligned = roots * _jax_impl._pow2(exps - top)
+  return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
+
+
+def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfinite: str,
+                scale_leaves: bool = True, norm_inputs=None):
+  """The clip of the whole tree, run on this device's shards (inside shard_map or a
+  partitioned custom call, where the mesh axes are bound).
+
+  Args:
+    max_norm: float32 scalar, the same on every device.
+    shards: this device's shard of every leaf.
+    leaf_axes: per leaf, the mesh axes it is split over.
+    impl: "ffi" (custom calls) or "jax".
+    norm_inputs: what the norms are taken of, where it differs from `shards` (a shard
+      with padding, masked to zero); the scale always applies to `shards`.
+
+  Returns:
+    (out_shards or None, norms f32[n + 1], flags int32[2]), as the custom call does;
+    all but the shards are the same on every device.
+  """
+  norm_inputs = shards if norm_inputs is None else norm_inputs
+  clip_fn = _ffi.andrea_clip if impl == "ffi" else _jax_impl.andrea_clip
+  groups: dict[frozenset, list[int]] = {}
+  for i, axes in enumerate(leaf_axes):
+    groups.setdefault(frozenset(axes), []).append(i)
+  group_roots, group_exps = [], []
+  leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
+  for members in groups.values():
+    # norms = [norm of this device's shards in the group, then one per leaf].
+    _, norms, _ = clip_fn(max_norm, [norm_inputs[i] for i in members], mode=mode,
+                          on_nonfinite="propagate", scale_leaves=False)
+    roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
+    group_roots.append(roots[0])
+    group_exps.append(exps[0])
+    for j, i in enumerate(members):
+      leaf_roots[i], leaf_exps[i] = roots[1 + j], exps[1 + j]
+  root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
+  # One custom call scales every shard (k_grad_scale), where XLA would run one fusion
+  # per leaf.
+  scale_fn = _ffi.andrea_scale if impl == "ffi" else None
+  return _jax_impl.decide_and_scale(max_norm, shards, root, exp, jnp.stack(leaf_roots),
+                                    jnp.stack(leaf_exps), mode=mode, on_nonfinite=on_nonfinite,
+                                    scale_leaves=scale_leaves, scale_fn=scale_fn)
