@@ -55,21 +55,23 @@ def _real_parts(x):
 
 
 def leaf_sums(x):
-  """f32[3]: the leaf's mid, big and small sums of squares, read in one pass."""
+  """(mid, big, small): the leaf's three float32 sums of squares.
+
+  Three reductions of the same leaf. XLA:GPU fuses them into one multi-output reduction
+  per leaf; XLA:CPU runs one pass over the leaf for each.
+  """
   # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
   # x^2 * c^2 and fold c^2, which is 0 or inf in float32.
   factors = lax.optimization_barrier([_F32(2.0**k) for k in _SUM_EXPONENTS])
-  sums = [sum(jnp.sum(jnp.square(part * c)) for part in _real_parts(x)) for c in factors]
-  return jnp.stack(sums)
+  return tuple(sum(jnp.sum(jnp.square(part * c)) for part in _real_parts(x)) for c in factors)
 
 
-def pick_norm(sums):
-  """(root, exponent) of the norm from sums [..., 3] (mid, big, small), elementwise.
+def pick_norm(mid, big, small):
+  """(root, exponent) of the norm from its three sums of squares, elementwise.
 
   The root is finite whenever the elements are (even where the norm overflows float32),
   and NaN or inf where one is not.
   """
-  mid, big, small = sums[..., 0], sums[..., 1], sums[..., 2]
   use_mid = jnp.isfinite(mid) & (mid >= _MID_SUMSQ_MIN)
   use_small = mid < _MID_SUMSQ_MIN  # False for a NaN or inf mid
   root = jnp.where(use_mid, jnp.sqrt(mid), jnp.where(use_small, jnp.sqrt(small), jnp.sqrt(big)))
@@ -79,8 +81,12 @@ def pick_norm(sums):
 
 def norms(leaves):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc."""
-  sums = jnp.stack([leaf_sums(x) for x in leaves])  # [n, 3]
-  return pick_norm(jnp.sum(sums, axis=0)), pick_norm(sums)
+  # The barrier keeps each leaf's reductions a fusion of their own: stacked at once, XLA:GPU
+  # may fuse them into the stack, where one thread reduces a whole leaf.
+  sums = lax.optimization_barrier([leaf_sums(x) for x in leaves])
+  totals = [sum(s[j] for s in sums) for j in range(3)]
+  per_leaf = [jnp.stack([s[j] for s in sums]) for j in range(3)]
+  return pick_norm(*totals), pick_norm(*per_leaf)
 
 
 def scale_leaf(x, scale, keep, zero_fill, pre):
