@@ -21,7 +21,6 @@ the float32 range still gives the right scale factor.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

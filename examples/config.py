@@ -48,6 +48,7 @@ class TrainConfig:
   # Wall-clock budget: the run ends (and reports) after the step during which it runs out.
   # The schedule still spans `steps`, so such a run is the head of the planned one.
   time_limit_s: float | None = None
+  nonfinite_stop: int = 3  # stop after this many steps in a row with a NaN/inf loss or norm
   num_samples: int = 3
   sample_tokens: int = 96
   sample_temperature: float = 0.8
@@ -92,7 +93,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
   positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
-              "sample_tokens")
+              "sample_tokens", "nonfinite_stop")
   for field in positive:
     if not getattr(cfg, field) > 0:
       raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
@@ -175,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--time-limit-s", type=float,
                  help="end the run, with its report and samples, once this many seconds "
                       "have passed (the schedule still spans --steps)")
+  p.add_argument("--nonfinite-stop", type=int, default=d.nonfinite_stop,
+                 help="stop after this many steps in a row whose loss or gradient norm is "
+                      "NaN/inf; no checkpoint holding NaN is ever saved (default: %(default)s)")
   p.add_argument("--num-samples", type=int, default=d.num_samples,
                  help="samples generated at the end (default: %(default)s)")
   p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,

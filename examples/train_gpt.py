@@ -20,8 +20,8 @@ computed again (v1 has no clip, so there clipjax.global_norm computes the norm).
 import bisect
 import dataclasses
 import functools
-import json
 import os
+import sys
 import time
 
 import clipjax
@@ -35,6 +35,7 @@ from tqdm import tqdm
 import bandit
 import checkpoint
 import corpus
+import metrics
 from config import ConfigError, TrainConfig, parse_args, resolve, RUN_IDENTITY
 import model as model_lib
 import pipeline
@@ -95,6 +96,10 @@ def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int):
   return train_step
 
 
+class TrainingDiverged(Exception):
+  """The loss or the gradient norm stayed NaN/inf for --nonfinite-stop steps in a row."""
+
+
 def train(cfg: TrainConfig) -> list[dict]:
   """Runs (or resumes) training; returns every metrics record of the run so far."""
   cfg = resolve(cfg)
@@ -124,17 +129,21 @@ def train(cfg: TrainConfig) -> list[dict]:
   os.makedirs(cfg.out_dir, exist_ok=True)
   ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
   metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-  bandit_state, step_done, records = bandit.BanditState.initial(len(names)), 0, []
+  bandit_state, step_done = bandit.BanditState.initial(len(names)), 0
   checkpoints = checkpoint.RunCheckpoints(ckpt_dir, fresh=not cfg.resume)
-  if cfg.resume and (latest := checkpoints.latest_step()) is not None:
-    host = checkpoints.restore_host_state(latest)
-    _check_same_run(host["identity"], identity, ckpt_dir)
-    params, opt_state = checkpoints.restore_arrays(latest, params, opt_state)
-    bandit_state = bandit.BanditState.from_json(host["bandit"])
-    step_done = host["step"]
-    records = [r for r in _read_records(metrics_path) if r["step"] <= step_done]
-  with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-    json.dump(dataclasses.asdict(cfg), f, indent=2)
+  if cfg.resume:
+    restored = checkpoints.restore_latest_good(params, opt_state, print)
+    if restored is not None:
+      step_done, host, params, opt_state = restored
+      _check_same_run(host["identity"], identity, ckpt_dir)
+      bandit_state = bandit.BanditState.from_json(host["bandit"])
+  log = metrics.MetricsLog(metrics_path, resume_after_step=step_done)
+  records = log.records
+  if missing := metrics.missing_steps(records, step_done):
+    print(f"warning: {metrics_path} lacks the records of {len(missing)} of the {step_done} "
+          f"steps before this resume (first: step {missing[0]}); the report covers the rest")
+  metrics.write_json_atomic(os.path.join(cfg.out_dir, "config.json"),
+                            dataclasses.asdict(cfg))
 
   last_step = cfg.stop_after_step or cfg.steps
   phase_starts = bandit.phase_starts(cfg.seed, cfg.steps)
@@ -151,26 +160,21 @@ def train(cfg: TrainConfig) -> list[dict]:
        + ("; --resume found no checkpoint, starting at step 1" if cfg.resume and not step_done
           else ""))
 
-  metrics_file = open(metrics_path, "w")
-  for record in records:
-    metrics_file.write(json.dumps(record) + "\n")
-  pending, last_time = None, time.perf_counter()
-
-  def write(record):
-    records.append(record)
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+  pending, last_time, nonfinite_run = None, time.perf_counter(), []
+  write = log.write
 
   def flush():
     """Fetches the pending step's metrics (the device has usually finished it by now)."""
     nonlocal pending, last_time, bandit_state
     if pending is None:
       return
-    (step, phase, metrics), pending = pending, None
-    m = jax.device_get(metrics)
+    (step, phase, step_metrics), pending = pending, None
+    m = jax.device_get(step_metrics)
     now = time.perf_counter()
     seconds, last_time = now - last_time, now
-    bandit_state = bandit.observe(bandit_state, m["loss_sum_K"], m["rows_K"])
+    finite = bool(np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]))
+    if finite:  # a NaN loss must not reach the bandit's weights
+      bandit_state = bandit.observe(bandit_state, m["loss_sum_K"], m["rows_K"])
     write({
         "kind": "step", "step": step, "phase": phase, "loss": float(m["loss"]),
         "loss_by_source": {n: (float(m["loss_sum_K"][k] / m["rows_K"][k])
@@ -180,6 +184,13 @@ def train(cfg: TrainConfig) -> list[dict]:
     })
     bar.update(1)
     bar.set_postfix(loss=f"{m['loss']:.3f}", gnorm=f"{m['grad_norm']:.2f}", phase=phase)
+    nonfinite_run[:] = [] if finite else nonfinite_run + [step]
+    if len(nonfinite_run) >= cfg.nonfinite_stop:
+      good = [s for s in checkpoints.steps() if s < nonfinite_run[0]]
+      raise TrainingDiverged(
+          f"the loss or gradient norm was NaN/inf for {len(nonfinite_run)} steps in a row "
+          f"(steps {nonfinite_run[0]}-{step}); stopping. The latest checkpoint before them: "
+          + (f"step {good[-1]} in {ckpt_dir}" if good else "none"))
 
   stopped_at = None
   try:
@@ -199,16 +210,19 @@ def train(cfg: TrainConfig) -> list[dict]:
       if step == phase_starts[phase] or step == step_done + 1:
         prefetcher.start_phase(step, min(phase_end, last_step), bandit_state.weights)
       tokens_BxL1, source_B = prefetcher.next(step)
-      params, opt_state, metrics = train_step(
+      params, opt_state, step_metrics = train_step(
           params, opt_state, tokens_BxL1, source_B, jnp.int32(step))
       flush()  # the previous step's metrics, while this step runs
-      pending = (step, phase, metrics)
+      pending = (step, phase, step_metrics)
       out_of_time = (cfg.time_limit_s is not None
                      and time.perf_counter() - started > cfg.time_limit_s)
       if step % cfg.checkpoint_every == 0 or step == last_step or out_of_time:
         flush()
-        checkpoints.save(step, params, opt_state, {
-            "step": step, "bandit": bandit_state.to_json(), "identity": identity})
+        if nonfinite_run or not checkpoint.all_finite((params, opt_state)):
+          _log(bar, f"step {step}: not saving a checkpoint that holds NaN or inf")
+        else:
+          checkpoints.save(step, params, opt_state, {
+              "step": step, "bandit": bandit_state.to_json(), "identity": identity})
       if out_of_time and step < last_step:
         stopped_at = step
         _log(bar, f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
@@ -217,7 +231,7 @@ def train(cfg: TrainConfig) -> list[dict]:
   finally:
     prefetcher.close()
     checkpoints.close()
-    metrics_file.close()
+    log.close()
     bar.close()
 
   if last_step == cfg.steps:
@@ -235,11 +249,14 @@ def _finish(cfg, records, graphdef, params, tokenizer, started, stopped_at=None)
       "final_loss": float(np.mean([r["loss"] for r in steps[-10:]])),
       "clipped_steps": sum(r["clipped"] for r in steps),
       "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps])),
+      # Step records lost with an earlier run's metrics (see MetricsLog); 0 when whole.
+      "missing_step_records": len(metrics.missing_steps(records, steps[-1]["step"])),
   }
   if cfg.plot:
-    report.plot_run(records, os.path.join(cfg.out_dir, "report.png"),
-                    max_norm=cfg.max_norm,
+    png = os.path.join(cfg.out_dir, "report.png")
+    report.plot_run(records, f"{png}.tmp.png", max_norm=cfg.max_norm,
                     title=f"{cfg.config}, recipe {cfg.recipe}, seed {cfg.seed}")
+    os.replace(f"{png}.tmp.png", png)
   if cfg.num_samples > 0:
     prompts = [report.SAMPLE_PROMPTS[i % len(report.SAMPLE_PROMPTS)]
                for i in range(cfg.num_samples)]
@@ -252,14 +269,12 @@ def _finish(cfg, records, graphdef, params, tokenizer, started, stopped_at=None)
     summary["samples"] = [
         {"prompt": p, "text": tokenizer.decode(ids, skip_special_tokens=False), **s}
         for p, ids, s in zip(prompts, outputs, stats)]
-    with open(os.path.join(cfg.out_dir, "samples.txt"), "w") as f:
-      for sample in summary["samples"]:
-        f.write(f"--- distinct_2 {sample['distinct_2']:.2f}  repeat_4 "
-                f"{sample['repeat_4']:.2f}  top_token_share {sample['top_token_share']:.2f}\n"
-                f"{sample['prompt']}{sample['text']}\n\n")
+    metrics.write_atomic(os.path.join(cfg.out_dir, "samples.txt"), lambda f: f.writelines(
+        f"--- distinct_2 {sample['distinct_2']:.2f}  repeat_4 "
+        f"{sample['repeat_4']:.2f}  top_token_share {sample['top_token_share']:.2f}\n"
+        f"{sample['prompt']}{sample['text']}\n\n" for sample in summary["samples"]))
   summary["wall_s"] = time.perf_counter() - started
-  with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  metrics.write_json_atomic(os.path.join(cfg.out_dir, "summary.json"), summary)
   repetition = ", ".join(f"{k} {v:.2f}" for k, v in summary.get("repetition", {}).items())
   print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
         f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped; "
@@ -271,13 +286,6 @@ def _check_same_run(saved: dict, now: dict, ckpt_dir: str) -> None:
   if changed:
     raise ConfigError(f"--resume: the checkpoint in {ckpt_dir} was made with other "
                       f"settings: {'; '.join(changed)}")
-
-
-def _read_records(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def _describe_phase(record: dict) -> str:
@@ -299,8 +307,10 @@ def main(argv: list[str] | None = None) -> None:
   parser, cfg = parse_args(argv)
   try:
     train(cfg)
-  except (ConfigError, corpus.SourceError) as e:
+  except (ConfigError, corpus.SourceError, checkpoint.CheckpointError) as e:
     parser.error(str(e))
+  except TrainingDiverged as e:
+    sys.exit(f"train_gpt.py: {e}")
 
 
 if __name__ == "__main__":

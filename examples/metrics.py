@@ -1,0 +1,69 @@
+"""The run's metrics log (metrics.jsonl) and atomic writes of the run's files.
+
+Every file of a run is written so that a kill at any moment leaves the old file or the
+new one, never a shortened one: `write_atomic` writes a temporary file beside the target
+and moves it into place with `os.replace`. metrics.jsonl grows by one appended line per
+record; on a resume it is first cut back to the restored checkpoint's step by such an
+atomic rewrite. A line cut short by a kill mid-append can only be the last one, and is
+dropped when the log is read back.
+"""
+
+import json
+import os
+
+
+def write_atomic(path: str, write) -> None:
+  """Calls write(file) on a temporary file, then moves it to `path` in one step."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    write(f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, obj) -> None:
+  write_atomic(path, lambda f: json.dump(obj, f, indent=2))
+
+
+def read_records(path: str) -> list[dict]:
+  """The records of a metrics log; a last line cut short by a kill is dropped."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = [line for line in f.read().split("\n") if line.strip()]
+  records = []
+  for i, line in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        break  # a kill during the last append
+      raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+  return records
+
+
+def missing_steps(records: list[dict], through_step: int) -> list[int]:
+  """Steps in 1..through_step that have no step record."""
+  have = {r["step"] for r in records if r["kind"] == "step"}
+  return [s for s in range(1, through_step + 1) if s not in have]
+
+
+class MetricsLog:
+  """metrics.jsonl: one JSON record a line, appended and flushed as the run goes."""
+
+  def __init__(self, path: str, *, resume_after_step: int):
+    """Keeps the records of steps <= resume_after_step (none for a fresh run)."""
+    self.path = path
+    kept = [r for r in read_records(path) if r["step"] <= resume_after_step]
+    write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept))
+    self.records = kept
+    self._file = open(path, "a")
+
+  def write(self, record: dict) -> None:
+    self.records.append(record)
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
