@@ -52,10 +52,10 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
     return _options.empty_result(tree)
   if impl == "ffi":
     _dispatch.check_ffi(paths, leaves)
-  max_norm = jnp.asarray(max_norm, jnp.float32).reshape(())
+  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
   out, norms, flags = _dispatch.run(max_norm, leaves, impl=impl, mode=mode,
                                     on_nonfinite=on_nonfinite, scale_leaves=True)
-  return _options.make_result(treedef, out, norms, flags)
+  return _options.make_result(treedef, out, norms, flags, invalid)
 
 
 def global_norm(tree, *, impl: str = "auto") -> jax.Array:

@@ -30,7 +30,6 @@ _SUM_EXPONENTS = (0, -88, 64)
 # mid at or above this (and finite) lost nothing that matters to underflow: an element
 # whose square underflows adds below 2**-126, a relative 2**-66 per element.
 _MID_SUMSQ_MIN = 2.0**-60
-_PRE_EXP = 64  # a subnormal scale factor is applied as 2**-64 times a normal one
 
 
 def _pow2(k):
@@ -41,8 +40,9 @@ def _pow2(k):
 
 
 def _unscale(v, e):
-  """v * 2**e for e in [-252, 252], in two exact steps (2**e alone may not be a float32)."""
-  return v * _pow2(e // 2) * _pow2(e - e // 2)
+  """v * 2**e for e in [-252, 252], in two exact steps (2**e alone may not be a float32);
+  NaN and inf are kept as they are (inf * 2**-200 is inf, not inf * 0)."""
+  return jnp.where(jnp.isfinite(v), v * _pow2(e // 2) * _pow2(e - e // 2), v)
 
 
 def _real_parts(x):
@@ -88,38 +88,42 @@ def norms(leaves):
   return pick_norm(*totals), pick_norm(*per_leaf)
 
 
-def scale_leaf(x, scale, keep, zero_fill, pre):
-  """x as the decision says: kept, zero-filled, or x * pre * scale (see `decide`)."""
+def scale_leaf(x, scale, keep, zero_fill, shift):
+  """x as the decision says: kept, zero-filled, or (x * scale) * 2**shift (see `decide`)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    scaled = (x * pre.astype(x.dtype)) * scale.astype(x.dtype)
+    scaled = _unscale(x * scale.astype(x.dtype), shift)
   else:
-    scaled = ((x.astype(_F32) * pre) * scale).astype(x.dtype)
+    scaled = _unscale(x.astype(_F32) * scale, shift).astype(x.dtype)
   out = jnp.where(keep, x, scaled)
   return jnp.where(zero_fill, jnp.zeros_like(x), out)
 
 
 def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
-  """The clip decision of cuda/andrea_clip_common.h::DecideScale.
+  """The clip decision of cuda/andrea_clip_common.h::DecideScale, elementwise.
 
-  Returns (scale, keep, zero_fill, pre): a clipped leaf becomes x * pre * scale.
-  `norm` is root * 2**exp (inf where that is above float32). pre is 1 except where the
-  factor max_norm / norm is subnormal or the norm is above the float32 range with
-  a finite root (finite gradients): there the true factor max_norm / root *
-  2**-exp is applied as 2**-64 times the rest, two normal float32 factors, since
-  XLA flushes a subnormal factor to zero (the CPU handler splits it the same way).
+  Returns (scale, shift, keep, zero_fill): a clipped leaf becomes (x * scale) * 2**shift.
+  `norm` is root * 2**exp (inf where that is above float32). With finite gradients the
+  factor max_norm / norm is r * 2**E, r the ratio of the mantissas of max_norm and root:
+  - where that is a normal float32, `scale` is it (the float32 max_norm / norm, as the
+    custom call rounds it) and shift is 0;
+  - below float32's normal range, where XLA would flush it to zero, `scale` keeps r at
+    the least power of two that stays normal and shift holds the rest, which is applied
+    after it, in two exact steps: an element whose product is a float32 keeps it.
   """
   keep = norm <= max_norm
-  scale = max_norm / norm
-  tiny = jnp.isinf(norm) | (jnp.abs(scale) < jnp.finfo(_F32).tiny)
-  split = tiny & jnp.isfinite(root) & (root > 0)
-  # 2**-64 then the rest: both normal for any float32 norm (exp <= 128 + log2 of the
-  # element count) and any max_norm down to 2**-60 of the norm's subnormal limit.
-  # max_norm is scaled up before the division: max_norm / root may itself be subnormal.
-  scale = jnp.where(split, _unscale(max_norm, _PRE_EXP - exp) / root, scale)
-  pre = jnp.where(split, _pow2(-_PRE_EXP), jnp.ones_like(norm))
-  scale = jnp.where(keep, _F32(1), scale)
+  max_mantissa, max_exp = jnp.frexp(max_norm)
+  root_mantissa, root_exp = jnp.frexp(root)
+  r = max_mantissa / root_mantissa  # in (0.5, 2)
+  e = max_exp - root_exp - exp
+  normal = e >= -125  # r * 2**e >= 2**-126
+  # Below that, scale = r * 2**a with a in [-125, -1]: normal, and x * scale cannot overflow.
+  a = jnp.where(normal, e, jnp.maximum(e + 126, -125))
+  finite = jnp.isfinite(root) & (root > 0)
+  scale = jnp.where(finite, _unscale(r, a), max_norm / norm)
+  shift = jnp.where(finite & ~normal, e - a, 0)
+  scale, shift = jnp.where(keep, _F32(1), scale), jnp.where(keep, 0, shift)
   zero_fill = jnp.logical_and(zero_nonfinite, jnp.logical_not(all_finite))
-  return scale, keep & ~zero_fill, zero_fill, pre
+  return scale, shift.astype(jnp.int32), keep & ~zero_fill, zero_fill
 
 
 def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf_exps, *,
@@ -127,8 +131,9 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
   """The decision from the norms (as (root, exponent) pairs), then the scale.
 
   Every path ends here: the pure-JAX clip, and the sharded clips after their all-reduce.
-  `scale_fn(scale, pre, keep, zero_fill, leaves)`, when given, scales the leaves (the
-  scale-only custom call); by default each leaf is scaled by `scale_leaf`.
+  `scale_fn(scale, pre, keep, zero_fill, leaves)`, when given, scales the leaves as
+  (x * pre) * scale (the scale-only custom call; it gets the shift as a float32 power of
+  two, exact down to 2**-126); by default each leaf is scaled by `scale_leaf`.
 
   Returns (out_leaves or None, norms f32[n + 1], flags int32[2]) as the custom call does.
   """
@@ -136,23 +141,23 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
   all_finite = jnp.isfinite(global_root)  # finite leaves, even where the norm overflows float32
   zero = on_nonfinite == "zero"
   if mode == "per_tensor":
-    scale, keep, zero_fill, pre = decide(leaf_norms, max_norm, zero, all_finite, leaf_roots,
-                                         leaf_exps)
+    scale, shift, keep, zero_fill = decide(leaf_norms, max_norm, zero, all_finite,
+                                           leaf_roots, leaf_exps)
     clipped = jnp.any(~keep)
   else:
-    scale, keep, zero_fill, pre = decide(global_norm, max_norm, zero, all_finite, global_root,
-                                         global_exp)
+    scale, shift, keep, zero_fill = decide(global_norm, max_norm, zero, all_finite,
+                                           global_root, global_exp)
     clipped = ~keep
   flags = jnp.stack([clipped, ~all_finite]).astype(jnp.int32)
   all_norms = jnp.concatenate([global_norm[None], leaf_norms])
   if not scale_leaves:
     return None, all_norms, flags
   if scale_fn is not None:
-    return scale_fn(scale, pre, keep, zero_fill, leaves), all_norms, flags
+    return scale_fn(_pow2(shift), scale, keep, zero_fill, leaves), all_norms, flags
   if mode == "per_tensor":
-    out = [scale_leaf(x, scale[i], keep[i], zero_fill, pre[i]) for i, x in enumerate(leaves)]
+    out = [scale_leaf(x, scale[i], keep[i], zero_fill, shift[i]) for i, x in enumerate(leaves)]
   else:
-    out = [scale_leaf(x, scale, keep, zero_fill, pre) for x in leaves]
+    out = [scale_leaf(x, scale, keep, zero_fill, shift) for x in leaves]
   return out, all_norms, flags
 
 

@@ -29,10 +29,12 @@ def empty_result(tree) -> ClipResult:
   return ClipResult(tree, zero, jnp.zeros((), bool), jnp.zeros((), bool), [])
 
 
-def make_result(treedef, out, norms, flags) -> ClipResult:
-  """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2])."""
+def make_result(treedef, out, norms, flags, invalid_max_norm) -> ClipResult:
+  """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2]); an invalid
+  max_norm (see `max_norm_operand`) counts as non-finite."""
   return ClipResult(jax.tree_util.tree_unflatten(treedef, out), norms[0], flags[0] != 0,
-                    flags[1] != 0, [norms[1 + i] for i in range(norms.shape[0] - 1)])
+                    (flags[1] != 0) | invalid_max_norm,
+                    [norms[1 + i] for i in range(norms.shape[0] - 1)])
 
 
 def check_choice(name, value, choices):
@@ -41,18 +43,39 @@ def check_choice(name, value, choices):
 
 
 def check_max_norm(max_norm):
-  if isinstance(max_norm, jax.core.Tracer):
-    return  # e.g. injected by optax.inject_hyperparams: checked by the caller
+  """A clear error for a max_norm that is not a real scalar, or (when its value is known
+  now) not finite and > 0. A traced value is checked on the device (`max_norm_operand`)."""
   if isinstance(max_norm, (bool, np.bool_)):
     raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
-  try:
-    value = np.asarray(max_norm)
-  except Exception as e:  # noqa: BLE001 - report any unconvertible object
-    raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}") from e
-  if value.shape != () or not np.issubdtype(value.dtype, np.number):
-    raise ValueError(f"clipjax: max_norm must be a scalar number; got {max_norm!r}")
-  if not (math.isfinite(float(value)) and float(value) > 0):
-    raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
+  if isinstance(max_norm, jax.core.Tracer):  # e.g. injected by optax.inject_hyperparams
+    shape, dtype = max_norm.shape, max_norm.dtype
+  else:
+    try:
+      value = np.asarray(max_norm)
+    except Exception as e:  # noqa: BLE001 - report any unconvertible object
+      raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}") from e
+    shape, dtype = value.shape, value.dtype
+  if shape != ():
+    raise ValueError(f"clipjax: max_norm must be a scalar; got shape {shape}")
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"clipjax: max_norm must be a real number; got dtype {dtype}")
+  if not isinstance(max_norm, jax.core.Tracer):
+    number = float(value.astype(np.float64))
+    if not (math.isfinite(number) and number > 0):
+      raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
+
+
+def max_norm_operand(max_norm, on_nonfinite):
+  """(float32 max_norm for the clip, invalid flag), on the device and without a host sync.
+
+  A traced max_norm that is NaN or <= 0 must not flip or scale the updates: it is handled
+  like a non-finite norm. It becomes 0 under on_nonfinite="zero" (every update is zeroed)
+  and NaN under "propagate" (every update is NaN), and the step counts as non-finite.
+  """
+  max_norm = jnp.asarray(max_norm, jnp.float32).reshape(())
+  invalid = ~(max_norm > 0)  # True for NaN
+  stand_in = jnp.float32(0.0 if on_nonfinite == "zero" else jnp.nan)
+  return jnp.where(invalid, stand_in, max_norm), invalid
 
 
 def check_options(max_norm, impl, mode, on_nonfinite):
@@ -73,10 +96,10 @@ def flatten(tree):
   leaves = []
   for path, leaf in paths_leaves:
     if not hasattr(leaf, "dtype"):
-      if isinstance(leaf, (float, int)) and not isinstance(leaf, bool):
-        leaf = jnp.asarray(leaf, jnp.float32)
-      else:
-        raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not an array")
+      if not isinstance(leaf, float):
+        raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not a "
+                        "floating-point array")
+      leaf = jnp.asarray(leaf, jnp.float32)
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       raise TypeError(f"clipjax: leaf {where(path)} has dtype {leaf.dtype}; gradients must be "
                       "floating point (float32, bfloat16, float16). Integer and bool leaves "

@@ -12,13 +12,10 @@ own shards.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from clipjax import _dispatch, _options, _shards
 from clipjax._options import ClipResult
-
-_F32 = jnp.float32
 
 
 # --- which mesh axes each leaf is sharded on -------------------------------------------
@@ -87,6 +84,40 @@ def _mesh_and_specs(mesh, specs, tree, paths, leaves):
   return mesh, leaf_specs, leaf_axes
 
 
+def _varying_axes(x):
+  """The manual mesh axes over which `x` may differ, as shard_map tracks them (with
+  check_vma), or None where this jax does not say."""
+  t = jax.typeof(x)
+  vma = getattr(t, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+  return None if vma is None else frozenset(vma)
+
+
+def _check_specs_in_shard_map(paths, leaves, leaf_axes):
+  """Each spec names axes of the enclosing mesh and, where shard_map tracks which axes
+  a value varies over (check_vma), exactly the axes its leaf varies over: a missing axis
+  would leave that leaf's shards out of the norm, an extra one would count them twice."""
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(mesh.axis_names) if not mesh.empty else None
+  varying = [_varying_axes(x) for x in leaves]
+  tracked = any(v for v in varying if v is not None)  # all empty: check_vma is off
+  for path, axes, vma in zip(paths, leaf_axes, varying):
+    if names is not None:
+      unknown = [a for a in axes if a not in names]
+      if unknown:
+        raise ValueError(f"clipjax: the spec for leaf {_options.where(path)} names mesh axis "
+                         f"{unknown[0]!r}, which the enclosing mesh {names} does not have")
+    if tracked and vma is not None and vma != set(axes):
+      missing, extra = sorted(vma - set(axes)), sorted(set(axes) - vma)
+      what = (f"varies over mesh axes {missing} that its spec does not name, so the norm "
+              "would miss the other devices' shards" if missing else
+              f"is the same on every device along {extra}, which its spec names, so it "
+              "would be counted once per device")
+      raise ValueError(f"clipjax: leaf {_options.where(path)} {what}; its spec must name "
+                       f"exactly the axes it is split over: {sorted(vma)}")
+
+
 def _shard_map(fn, mesh, in_specs, out_specs):
   if hasattr(jax, "shard_map"):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
@@ -128,7 +159,7 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   if impl == "ffi":
     _dispatch.check_ffi(paths, leaves)
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, paths, leaves)
-  max_norm = jnp.asarray(max_norm, _F32).reshape(())
+  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
 
   impl = _dispatch.shard_impl(impl, leaves)
 
@@ -139,7 +170,7 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   replicated = PartitionSpec()
   clip = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
                     out_specs=(list(leaf_specs), replicated, replicated))
-  return _options.make_result(treedef, *clip(max_norm, *leaves))
+  return _options.make_result(treedef, *clip(max_norm, *leaves), invalid)
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
@@ -169,7 +200,8 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
     _dispatch.check_ffi(paths, leaves)
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
                for spec, path in zip(_leaf_specs(specs, tree), paths)]
-  max_norm = jnp.asarray(max_norm, _F32).reshape(())
+  _check_specs_in_shard_map(paths, leaves, leaf_axes)
+  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
   return _options.make_result(treedef, *_shards.clip_shards(
       max_norm, leaves, leaf_axes, impl=_dispatch.shard_impl(impl, leaves), mode=mode,
-      on_nonfinite=on_nonfinite))
+      on_nonfinite=on_nonfinite), invalid)

@@ -89,3 +89,46 @@ def test_clip_state_finds_the_state_inside_wrappers():
   state = tx.init(params)
   _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state, params)
   assert float(clipjax.clip_state(state).global_norm) == 5.0
+
+
+def test_a_bfloat16_scalar_max_norm_is_accepted():
+  tx = clipjax.andrea_clip(jnp.asarray(2.0, jnp.bfloat16))
+  out, _ = tx.update({"g": jnp.array([3.0, 4.0])}, tx.init({"g": jnp.zeros(2)}))
+  np.testing.assert_allclose(out["g"], [1.2, 1.6], rtol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm, message", [
+    (1.0 + 2.0j, "real number; got dtype complex"),
+    (np.ones(2, np.float32), r"scalar; got shape \(2,\)"),
+])
+def test_a_complex_or_vector_max_norm_is_named(max_norm, message):
+  with pytest.raises(ValueError, match=message):
+    clipjax.andrea_clip(max_norm)
+
+
+def test_a_traced_vector_max_norm_is_named():
+  tree = {"g": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"max_norm must be a scalar; got shape \(2,\)"):
+    jax.jit(lambda m: clipjax.clip_tree(tree, m).updates)(jnp.ones(2))
+
+
+def test_python_int_leaves_are_rejected_like_integer_arrays():
+  with pytest.raises(TypeError, match=r"\[1\] is a int, not a floating-point array"):
+    clipjax.global_norm([jnp.ones(2), 3])
+
+
+@pytest.mark.parametrize("impl", ["jax", "ffi"])
+@pytest.mark.parametrize("on_nonfinite, want", [("zero", 0.0), ("propagate", np.nan)])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, np.nan])
+def test_an_invalid_traced_max_norm_never_flips_the_updates(impl, on_nonfinite, want, bad):
+  # Injected max_norm is traced: no host check can see it; the device treats it like a
+  # non-finite norm, counted in the state.
+  params = {"g": jnp.zeros(2)}
+  tx = optax.inject_hyperparams(
+      lambda max_norm: clipjax.andrea_clip(max_norm, impl=impl, on_nonfinite=on_nonfinite))(
+          max_norm=1.0)
+  state = tx.init(params)
+  state.hyperparams["max_norm"] = jnp.asarray(bad, jnp.float32)
+  out, state = jax.jit(tx.update)({"g": jnp.array([-0.6, -0.8])}, state)
+  np.testing.assert_array_equal(np.abs(np.asarray(out["g"])), [want, want])
+  assert int(state.inner_state.nonfinite_count) == 1

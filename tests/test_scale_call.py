@@ -1,13 +1,14 @@
 """The scale-only custom call (`clipjax_andrea_scale`) that the sharded clip runs after its
-all-reduce, against the pure-JAX scale (`_jax_impl.scale_leaf`) on the same decision. It
-runs on the default backend: the CPU handler here, the CUDA kernels on a GPU."""
+all-reduce, against its contract computed in JAX: (x * pre) * scale, rounded to the leaf's
+dtype, or the leaf kept, or zeros. It runs on the default backend: the CPU handler here,
+the CUDA kernels on a GPU."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clipjax import _ffi, _jax_impl
+from clipjax import _ffi
 
 F32 = jnp.float32
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -25,8 +26,12 @@ def _leaves(seed=0):
 def _reference(leaves, scale, pre, keep, zero_fill):
   n = len(leaves)
   at = lambda v, i: jnp.broadcast_to(jnp.asarray(v), (n,))[i]  # noqa: E731
-  return [_jax_impl.scale_leaf(x, at(scale, i).astype(F32), at(keep, i), at(zero_fill, i),
-                               at(pre, i).astype(F32)) for i, x in enumerate(leaves)]
+
+  def one(x, scale, pre, keep, zero_fill):
+    scaled = ((x.astype(F32) * pre) * scale).astype(x.dtype)
+    return jnp.where(zero_fill, jnp.zeros_like(x), jnp.where(keep, x, scaled))
+  return [one(x, at(scale, i).astype(F32), at(pre, i).astype(F32), at(keep, i),
+              at(zero_fill, i)) for i, x in enumerate(leaves)]
 
 
 def _ulps(got, want):

@@ -327,3 +327,23 @@ def test_bad_specs_are_named(devices):
     clipjax.clip_tree_in_shard_map(tree, 1.0, specs=None)
   empty = clipjax.sharded_clip_tree({}, 1.0, mesh=mesh, specs=P())
   assert empty.updates == {} and float(empty.global_norm) == 0.0
+
+
+def _in_shard_map(tree, mesh, in_specs, clip_specs, check_vma=True):
+  step = lambda g: clipjax.clip_tree_in_shard_map(g, 1.0, specs=clip_specs).global_norm
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(in_specs,), out_specs=P(),
+                               check_vma=check_vma))(_put(tree, mesh, in_specs))
+
+
+def test_inside_shard_map_a_spec_that_misses_an_axis_is_named(devices):
+  mesh, d = _mesh2d(), devices // 2
+  tree = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((5,), jnp.float32)})
+  in_specs = {"w": P("data", "model"), "b": P()}
+  with pytest.raises(ValueError, match=r"\['w'\] varies over mesh axes \['model'\]"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("data"), "b": P()})
+  with pytest.raises(ValueError, match=r"\['b'\] is the same on every device along \['data'\]"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("data", "model"), "b": P("data")})
+  with pytest.raises(ValueError, match=r"\['w'\] names mesh axis 'fsdp'"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("fsdp", "model"), "b": P()})
+  good = _in_shard_map(tree, mesh, in_specs, in_specs)
+  np.testing.assert_allclose(float(good), f64_norm(tree), rtol=1e-6)
