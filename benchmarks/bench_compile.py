@@ -1,0 +1,90 @@
+"""Compile time and peak memory of a jitted clip as the leaf count grows.
+
+Each case runs in a subprocess of its own, so that its peak resident memory is its own:
+it builds a tree of N float32 leaves of 1 to 2,000 elements (seeded), then lowers and
+compiles `jax.jit(tx.update)` for andrea_clip (the custom call, and pure JAX) and for
+optax.clip_by_global_norm. A case that runs past --timeout-s is reported as such. It prints
+one table and writes JSON.
+
+    python benchmarks/bench_compile.py --leaves 1000,5000,20000 --out compile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+IMPLS = ("ffi", "jax", "optax")
+
+
+def compile_once(leaves: int, impl: str) -> dict:
+  """Runs in the child: one compile, timed."""
+  import jax  # noqa: PLC0415 - the parent never imports jax
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  import clipjax  # noqa: PLC0415
+
+  sizes = np.random.default_rng(0).integers(1, 2000, leaves)
+  tree = [jnp.ones((int(s),), jnp.float32) for s in sizes]
+  tx = optax.clip_by_global_norm(1.0) if impl == "optax" else clipjax.andrea_clip(1.0, impl=impl)
+  state = tx.init(tree)
+  start = time.perf_counter()
+  jax.jit(tx.update).lower(tree, state).compile()
+  seconds = time.perf_counter() - start
+  peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+  return {"leaves": leaves, "impl": impl, "compile_s": seconds, "peak_rss_gb": peak_gb,
+          "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+def run_case(leaves: int, impl: str, timeout_s: float) -> dict:
+  cmd = [sys.executable, __file__, "--child", f"{leaves}:{impl}"]
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return {"leaves": leaves, "impl": impl, "compile_s": None, "peak_rss_gb": None,
+            "status": f"over {timeout_s:g} s"}
+  if done.returncode != 0:
+    return {"leaves": leaves, "impl": impl, "compile_s": None, "peak_rss_gb": None,
+            "status": "failed: " + done.stderr.strip().splitlines()[-1][:200]}
+  return {**json.loads(done.stdout.strip().splitlines()[-1]), "status": "ok"}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--leaves", default="1000,5000,20000", help="comma list of leaf counts")
+  p.add_argument("--impls", default=",".join(IMPLS), help="comma list of: " + ", ".join(IMPLS))
+  p.add_argument("--timeout-s", type=float, default=600, help="per case")
+  p.add_argument("--out", help="JSON file for the results")
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.child:
+    leaves, impl = args.child.split(":")
+    print(json.dumps(compile_once(int(leaves), impl)))
+    return
+  impls = args.impls.split(",")
+  for impl in impls:
+    if impl not in IMPLS:
+      p.error(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
+  rows = [run_case(int(n), impl, args.timeout_s)
+          for n in args.leaves.split(",") for impl in impls]
+  print(f"{'leaves':>7s} {'impl':6s} {'compile s':>10s} {'peak RSS GB':>12s}  status")
+  for r in rows:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"{r['leaves']:7d} {r['impl']:6s} {fmt(r['compile_s'], '10.1f')} "
+          f"{fmt(r['peak_rss_gb'], '12.2f')}  {r['status']}")
+  if args.out:
+    meta = {"python": platform.python_version(), "machine": platform.machine(),
+            "argv": sys.argv, "date": time.strftime("%Y-%m-%d")}
+    with open(args.out, "w") as f:
+      json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
