@@ -102,7 +102,9 @@ def scale_leaf(x, scale, keep, zero_fill, shift):
 
 
 def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
-  """The clip decision of cuda/andrea_clip_common.h::DecideScale, elementwise.
+  """The clip decision, elementwise: cuda/andrea_clip_common.h::DecideScale's for every
+  factor in float32's normal range, and exact below it (where the custom call's flushes
+  factors under about 2**-190).
 
   Returns (scale, shift, keep, zero_fill): a clipped leaf becomes (x * scale) * 2**shift.
   `norm` is root * 2**exp (inf where that is above float32). With finite gradients the

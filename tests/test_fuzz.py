@@ -22,7 +22,7 @@ SIZES = (0, 1, 2, 3, 7, 100, 32767, 32768, 32769)
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16)
 MAGNITUDE = {np.float32: (-37, 38), ml_dtypes.bfloat16: (-37, 38), np.float16: (-4, 4)}
 # The custom call's decision still applies a factor below 2**-126 as 2**-64 times the
-# rest (tests/test_andrea_clip.py, the xfail): it flushes factors below about 2**-190.
+# rest (tests/test_range.py, the xfail): it flushes factors below about 2**-190.
 FFI_LEAST_FACTOR = 2.0**-185
 
 
