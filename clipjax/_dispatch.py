@@ -61,10 +61,8 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_leaves):
     return _jax_impl.andrea_clip(max_norm, leaves, **kwargs)
 
   def branch(fn):
-    def call(max_norm, *leaves):
-      out, norms, flags = fn(max_norm, list(leaves), **kwargs)
-      return (*(out or []), norms, flags)
-    return call
+    return lambda max_norm, *leaves: _partition.flat_outputs(
+        *fn(max_norm, list(leaves), **kwargs))
 
   outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(_partition.partitioned_clip),
                                     default=branch(_jax_impl.andrea_clip))

@@ -31,11 +31,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from clipjax import _ffi, _shards
 
 
+def flat_outputs(out, norms, flags) -> tuple:
+  """A clip's (out_leaves or None, norms, flags) as one flat tuple of arrays."""
+  return (*(out or []), norms, flags)
+
+
 def _whole_call(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves):
   del ranks  # static: only the sharding rule reads it
-  out, norms, flags = _ffi.andrea_clip(max_norm, list(leaves), mode=mode,
-                                       on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
-  return (*out, norms, flags) if scale_leaves else (norms, flags)
+  return flat_outputs(*_ffi.andrea_clip(max_norm, list(leaves), mode=mode,
+                                        on_nonfinite=on_nonfinite, scale_leaves=scale_leaves))
 
 
 def _sharding_rule(mode, on_nonfinite, scale_leaves, ranks, mesh, operand_types, result_types):
@@ -103,10 +107,9 @@ def _partition(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
     norm_inputs = [x if m is None else m for x, m in zip(shards, masked)]
-    out, norms, flags = _shards.clip_shards(max_norm, list(shards), leaf_axes, impl="ffi",
-                                            mode=mode, on_nonfinite=on_nonfinite,
-                                            scale_leaves=scale_leaves, norm_inputs=norm_inputs)
-    return (*out, norms, flags) if scale_leaves else (norms, flags)
+    return flat_outputs(*_shards.clip_shards(
+        max_norm, list(shards), leaf_axes, impl="ffi", mode=mode, on_nonfinite=on_nonfinite,
+        scale_leaves=scale_leaves, norm_inputs=norm_inputs))
 
   results = (*(shardings if scale_leaves else []), replicated, replicated)
   return mesh, lower_fn, results, (replicated, *shardings)
