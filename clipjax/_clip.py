@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _dispatch, _options, _sharded
+from clipjax import _dispatch, _jax_impl, _options, _sharded
 from clipjax._options import ClipResult
 
 
@@ -25,12 +25,13 @@ class AndreaClipState(NamedTuple):
   """State of `andrea_clip`, rewritten by every update.
 
   Attributes:
-    global_norm: float32 scalar, the global norm of the latest updates before
-      clipping (so a training loop can log it without computing it again).
+    global_norm: float32 scalar (float64 for float64 params), the global norm of
+      the latest updates before clipping (so a training loop can log it without
+      computing it again).
     clipped: bool scalar, whether the latest updates were scaled (or zeroed).
     nonfinite_count: int32 scalar, how many updates so far had a NaN/inf norm.
     leaf_norms: with mode="per_tensor", a pytree like the updates holding each
-      leaf's float32 norm before clipping; None with mode="global".
+      leaf's norm before clipping; None with mode="global".
   """
   global_norm: jax.Array
   clipped: jax.Array
@@ -42,27 +43,25 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
               on_nonfinite: str = "propagate") -> ClipResult:
   """Clips a pytree of gradients by its global norm (or per leaf).
 
-  Returns a ClipResult: the clipped tree, the float32 norm before clipping,
-  whether it was clipped, whether the norm was NaN/inf, and per-leaf norms.
-  None leaves and optax.MaskedNode are skipped and kept as they are.
+  Returns a ClipResult: the clipped tree, the norm before clipping, whether it
+  was clipped, whether the norm was NaN/inf, and per-leaf norms. None leaves and
+  optax.MaskedNode are skipped and kept as they are. A tree with a float64 leaf
+  (with jax_enable_x64) is clipped in float64, norms included; else in float32.
   """
-  _options.check_options(max_norm, impl, mode, on_nonfinite)
-  paths, leaves, treedef = _options.flatten(tree)
-  if not leaves:
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  if p is None:
     return _options.empty_result(tree)
-  if impl == "ffi":
-    _dispatch.check_ffi(paths, leaves)
-  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
-  out, norms, flags = _dispatch.run(max_norm, leaves, impl=impl, mode=mode,
+  out, norms, flags = _dispatch.run(p.max_norm, p.leaves, impl=impl, mode=mode,
                                     on_nonfinite=on_nonfinite, scale_leaves=True)
-  return _options.make_result(treedef, out, norms, flags, invalid)
+  return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)
 
 
 def global_norm(tree, *, impl: str = "auto") -> jax.Array:
-  """The float32 global L2 norm of every element of every leaf of `tree`.
+  """The global L2 norm of every element of every leaf of `tree`: float32, or
+  float64 for a tree with a float64 leaf.
 
-  Squares are accumulated without overflow or underflow for any float32,
-  bfloat16 or float16 input (float64 in the custom call; rescaling in JAX).
+  Squares are accumulated without overflow or underflow for any input (float64
+  in the custom call; rescaling in JAX).
   """
   _options.check_choice("impl", impl, _options.IMPLS)
   paths, leaves, _ = _options.flatten(tree)
@@ -127,21 +126,23 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     clip = clip_tree
 
   def init_fn(params):
-    leaf_norms = (jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
-                  if per_tensor else None)
-    return AndreaClipState(jnp.zeros((), jnp.float32), jnp.zeros((), bool),
-                           jnp.zeros((), jnp.int32), leaf_norms)
+    dtype = _jax_impl.norm_dtype([x for x in jax.tree.leaves(params) if hasattr(x, "dtype")])
+    leaf_norms = (jax.tree.map(lambda _: jnp.zeros((), dtype), params) if per_tensor else None)
+    return AndreaClipState(jnp.zeros((), dtype), jnp.zeros((), bool), jnp.zeros((), jnp.int32),
+                           leaf_norms)
 
   def update_fn(updates, state, params=None):
     del params
     result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite)
+    dtype = state.global_norm.dtype  # the state keeps its dtypes from init
     leaf_norms = None
     if per_tensor:
       treedef = jax.tree_util.tree_structure(updates)
-      leaf_norms = jax.tree_util.tree_unflatten(treedef, result.leaf_norms)
+      leaf_norms = jax.tree_util.tree_unflatten(treedef,
+                                                [n.astype(dtype) for n in result.leaf_norms])
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
-    return result.updates, AndreaClipState(result.global_norm, result.clipped, count,
-                                           leaf_norms)
+    return result.updates, AndreaClipState(result.global_norm.astype(dtype), result.clipped,
+                                           count, leaf_norms)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -8,6 +8,8 @@ like any per-leaf reduction; neither gathers a leaf.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -36,6 +38,29 @@ def check_ffi(paths, leaves):
     if jnp.dtype(x.dtype) not in _ffi.SUPPORTED_DTYPES:
       raise TypeError(f"clipjax: impl='ffi' supports float32, bfloat16 and float16 leaves; "
                       f"leaf {_options.where(path)} is {x.dtype}. Use impl='jax' or 'auto'.")
+
+
+class Prepared(NamedTuple):
+  paths: list
+  leaves: list
+  treedef: object
+  max_norm: jax.Array  # the clip's operand: a scalar of the norms' dtype
+  invalid_max_norm: jax.Array
+
+
+def prepare(tree, max_norm, impl, mode, on_nonfinite) -> Prepared | None:
+  """What every clip entry point does first: checks the options, flattens the tree, checks
+  that impl="ffi" can run it, and turns max_norm into the clip's operand. None for a tree
+  without leaves."""
+  _options.check_options(max_norm, impl, mode, on_nonfinite)
+  paths, leaves, treedef = _options.flatten(tree)
+  if not leaves:
+    return None
+  if impl == "ffi":
+    check_ffi(paths, leaves)
+  operand, invalid = _options.max_norm_operand(max_norm, on_nonfinite,
+                                               _jax_impl.norm_dtype(leaves))
+  return Prepared(paths, leaves, treedef, operand, invalid)
 
 
 def shard_impl(impl, leaves) -> str:

@@ -10,48 +10,40 @@ Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 TARGET = "clipjax_andrea_clip"
 SCALE_TARGET = "clipjax_andrea_scale"
-ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in andrea_clip_common.h
+ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in cuda/andrea_clip_math.h
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = {"global": 0, "per_tensor": 1}
 NONFINITE_POLICIES = {"propagate": 0, "zero": 1}
 
-_registered: dict[str, str] = {}  # lowering platform -> native module name
+_native: dict[str, object] = {}  # "cpu"/"cuda" -> the loaded native module
 _load_errors: dict[str, str] = {}
 
-try:
-  from clipjax import _clipjax_cpu
-except ImportError as e:  # an install without the compiled extension
-  _clipjax_cpu = None
-  _load_errors["cpu"] = str(e)
-else:
-  for _target in (TARGET, SCALE_TARGET):
-    jax.ffi.register_ffi_target(_target, _clipjax_cpu.registrations()[_target], platform="cpu")
-  _registered["cpu"] = "_clipjax_cpu"
-
-try:
-  from clipjax import _clipjax_cuda
-except ImportError as e:  # built without nvcc, or no CUDA runtime here
-  _clipjax_cuda = None
-  _load_errors["cuda"] = str(e)
-else:
-  for _target in (TARGET, SCALE_TARGET):
-    jax.ffi.register_ffi_target(_target, _clipjax_cuda.registrations()[_target], platform="CUDA")
-  _registered["cuda"] = "_clipjax_cuda"
-
+# (lowering platform, native module): each module hands JAX one handler per target.
+for _platform, _module in (("cpu", "_clipjax_cpu"), ("cuda", "_clipjax_cuda")):
+  try:
+    _native[_platform] = importlib.import_module(f"clipjax.{_module}")
+  except ImportError as e:  # an install without that extension (no nvcc, no CUDA runtime)
+    _load_errors[_platform] = str(e)
+    continue
+  for _target, _capsule in _native[_platform].registrations().items():
+    jax.ffi.register_ffi_target(_target, _capsule, platform=_platform.upper()
+                                if _platform == "cuda" else _platform)
 
 def platforms() -> tuple[str, ...]:
   """Lowering platforms that have a handler for the custom call."""
-  return tuple(sorted(_registered))
+  return tuple(sorted(_native))
 
 
 def has_handler(platform: str) -> bool:
-  return platform.lower() in _registered
+  return platform.lower() in _native
 
 
 def missing_handler_message(platform: str) -> str:
@@ -64,8 +56,16 @@ def missing_handler_message(platform: str) -> str:
   return msg
 
 
+def _layout():
+  """A loaded native module, for the sizes of a call's results (every module has them)."""
+  if not _native:
+    raise RuntimeError("clipjax: no native extension is importable: " +
+                       "; ".join(f"{p}: {e}" for p, e in sorted(_load_errors.items())))
+  return next(iter(_native.values()))
+
+
 def num_chunks(sizes) -> int:
-  chunk = _clipjax_cpu.CHUNK_ELEMS
+  chunk = _layout().CHUNK_ELEMS
   return sum(max(1, -(-int(n) // chunk)) for n in sizes)
 
 
@@ -77,11 +77,9 @@ def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   `norms` is f32[n + 1] (global norm, then one per leaf); `flags` is
   int32[2] (clipped, nonfinite).
   """
-  if _clipjax_cpu is None:
-    raise RuntimeError("clipjax: the native extension is not importable: " + _load_errors["cpu"])
   n = len(leaves)
   sizes = [int(np.prod(x.shape)) for x in leaves]
-  workspace = _clipjax_cpu.workspace_bytes(num_chunks(sizes), n)
+  workspace = _layout().workspace_bytes(num_chunks(sizes), n)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if scale_leaves else []
   out_types += [
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),
@@ -98,24 +96,24 @@ def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   return None, outs[0], outs[1]
 
 
-def andrea_scale(scale, pre, keep, zero_fill, leaves):
+def andrea_scale(scale, shift, keep, zero_fill, leaves):
   """The scale stage alone, on a decision made elsewhere, in one custom call.
 
   Per leaf i (each argument a scalar, or one value per leaf): zeros where zero_fill[i],
-  else the leaf unchanged where keep[i] (nothing is written), else x * pre[i] * scale[i]
-  (see `_jax_impl.decide`). Returns the leaves, aliased to the inputs.
+  else the leaf unchanged where keep[i] (nothing is written), else x times the factor
+  scale[i] * 2**shift[i] (see `_jax_impl.decide`), in float32 where the factor is a
+  normal float32 and else in float64, rounded once. Returns the leaves, aliased to the
+  inputs.
   """
-  if _clipjax_cpu is None:
-    raise RuntimeError("clipjax: the native extension is not importable: " + _load_errors["cpu"])
   n = len(leaves)
   shape = (n,)
   factors = jnp.stack([jnp.broadcast_to(jnp.asarray(scale, jnp.float32), shape),
-                       jnp.broadcast_to(jnp.asarray(pre, jnp.float32), shape)], axis=1)
+                       jnp.broadcast_to(jnp.asarray(shift, jnp.float32), shape)], axis=1)
   actions = jnp.where(jnp.broadcast_to(zero_fill, shape), ACTIONS["zero_fill"],
                       jnp.where(jnp.broadcast_to(keep, shape), ACTIONS["keep"],
                                 ACTIONS["multiply"])).astype(jnp.int32)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  out_types.append(jax.ShapeDtypeStruct((_clipjax_cpu.scale_workspace_bytes(n),), jnp.uint8))
+  out_types.append(jax.ShapeDtypeStruct((_layout().scale_workspace_bytes(n),), jnp.uint8))
   call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
                           input_output_aliases={i + 2: i for i in range(n)},
                           vmap_method="sequential")

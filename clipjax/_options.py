@@ -15,8 +15,9 @@ NONFINITE_POLICIES = ("propagate", "zero")
 
 
 class ClipResult(NamedTuple):
-  """What a clip returns: the clipped tree, the float32 norm before clipping, whether it
-  was clipped, whether the norm was NaN/inf, and the per-leaf float32 norms."""
+  """What a clip returns: the clipped tree, the norm before clipping, whether it was
+  clipped, whether the norm was NaN/inf, and the per-leaf norms. Norms are float32, or
+  float64 for a tree with float64 leaves."""
   updates: object
   global_norm: jax.Array
   clipped: jax.Array
@@ -65,16 +66,17 @@ def check_max_norm(max_norm):
       raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
 
 
-def max_norm_operand(max_norm, on_nonfinite):
-  """(float32 max_norm for the clip, invalid flag), on the device and without a host sync.
+def max_norm_operand(max_norm, on_nonfinite, dtype=jnp.float32):
+  """(max_norm for the clip as a `dtype` scalar, invalid flag), on the device and without
+  a host sync.
 
   A traced max_norm that is NaN or <= 0 must not flip or scale the updates: it is handled
   like a non-finite norm. It becomes 0 under on_nonfinite="zero" (every update is zeroed)
   and NaN under "propagate" (every update is NaN), and the step counts as non-finite.
   """
-  max_norm = jnp.asarray(max_norm, jnp.float32).reshape(())
+  max_norm = jnp.asarray(max_norm, dtype).reshape(())
   invalid = ~(max_norm > 0)  # True for NaN
-  stand_in = jnp.float32(0.0 if on_nonfinite == "zero" else jnp.nan)
+  stand_in = jnp.asarray(0.0 if on_nonfinite == "zero" else jnp.nan, dtype)
   return jnp.where(invalid, stand_in, max_norm), invalid
 
 
@@ -102,7 +104,7 @@ def flatten(tree):
       leaf = jnp.asarray(leaf, jnp.float32)
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       raise TypeError(f"clipjax: leaf {where(path)} has dtype {leaf.dtype}; gradients must be "
-                      "floating point (float32, bfloat16, float16). Integer and bool leaves "
+                      "floating point (float32, bfloat16, float16, float64). Integer and bool leaves "
                       "cannot be clipped: mask them out (e.g. optax.masked) or drop them.")
     leaves.append(leaf)
   return [p for p, _ in paths_leaves], leaves, treedef

@@ -152,16 +152,11 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   Returns:
     A ClipResult; the norms and flags are the same on every device.
   """
-  _options.check_options(max_norm, impl, mode, on_nonfinite)
-  paths, leaves, treedef = _options.flatten(tree)
-  if not leaves:
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  if p is None:
     return _options.empty_result(tree)
-  if impl == "ffi":
-    _dispatch.check_ffi(paths, leaves)
-  mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, paths, leaves)
-  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
-
-  impl = _dispatch.shard_impl(impl, leaves)
+  mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
+  impl = _dispatch.shard_impl(impl, p.leaves)
 
   def clip_on_device(max_norm, *shards):
     return _shards.clip_shards(max_norm, list(shards), leaf_axes, impl=impl, mode=mode,
@@ -170,7 +165,7 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   replicated = PartitionSpec()
   clip = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
                     out_specs=(list(leaf_specs), replicated, replicated))
-  return _options.make_result(treedef, *clip(max_norm, *leaves), invalid)
+  return _options.make_result(p.treedef, *clip(p.max_norm, *p.leaves), p.invalid_max_norm)
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
@@ -189,19 +184,15 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
     A ClipResult holding this device's clipped shards; the norms and flags
     are the same on every device.
   """
-  _options.check_options(max_norm, impl, mode, on_nonfinite)
   if specs is None:
     raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "
                      "gradients (the in_specs given to shard_map for them)")
-  paths, leaves, treedef = _options.flatten(tree)
-  if not leaves:
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  if p is None:
     return _options.empty_result(tree)
-  if impl == "ffi":
-    _dispatch.check_ffi(paths, leaves)
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
-               for spec, path in zip(_leaf_specs(specs, tree), paths)]
-  _check_specs_in_shard_map(paths, leaves, leaf_axes)
-  max_norm, invalid = _options.max_norm_operand(max_norm, on_nonfinite)
-  return _options.make_result(treedef, *_shards.clip_shards(
-      max_norm, leaves, leaf_axes, impl=_dispatch.shard_impl(impl, leaves), mode=mode,
-      on_nonfinite=on_nonfinite), invalid)
+               for spec, path in zip(_leaf_specs(specs, tree), p.paths)]
+  _check_specs_in_shard_map(p.paths, p.leaves, leaf_axes)
+  return _options.make_result(p.treedef, *_shards.clip_shards(
+      p.max_norm, p.leaves, leaf_axes, impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
+      on_nonfinite=on_nonfinite), p.invalid_max_norm)

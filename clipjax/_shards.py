@@ -13,9 +13,8 @@ shards:
                 (for each leaf, and for all the group's shards together)
   global norm = the same over the group norms, each kept as root * 2**exponent
 
-Dividing by m and aligning the exponents keeps every square inside float32, and
-a norm above the float32 range keeps its scale (root * 2**exponent) though it
-reads as inf. Only a few floats per leaf cross devices: one pmax and one psum per
+Dividing by m and aligning the exponents keeps every square inside the float range,
+and a norm above it keeps its scale (root * 2**exponent) though it reads as inf. Only a few floats per leaf cross devices: one pmax and one psum per
 group.
 """
 
@@ -26,9 +25,6 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from clipjax import _ffi, _jax_impl
-
-_F32 = jnp.float32
-
 
 def spec_axes(spec, where: str) -> tuple:
   """The mesh axes named by `spec` (the PartitionSpec of leaf `where`), each once."""
@@ -55,8 +51,8 @@ def _whole_leaf_norms(shard_norms, axes):
   """
   if not axes:
     return jnp.frexp(shard_norms)
-  top = lax.pmax(jnp.where(jnp.isfinite(shard_norms), shard_norms, _F32(0)), axes)
-  top = jnp.where(top > 0, top, _F32(1))
+  top = lax.pmax(jnp.where(jnp.isfinite(shard_norms), shard_norms, 0), axes)
+  top = jnp.where(top > 0, top, 1).astype(shard_norms.dtype)
   mantissa, exponent = jnp.frexp(top)
   return mantissa * jnp.sqrt(lax.psum(jnp.square(shard_norms / top), axes)), exponent
 
@@ -65,7 +61,7 @@ def _norm_of_norms(roots, exps):
   """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
   top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
   top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
-  aligned = roots * _jax_impl._pow2(exps - top)
+  aligned = roots * _jax_impl._pow2(exps - top, roots.dtype)
   return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 
@@ -75,7 +71,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   partitioned custom call, where the mesh axes are bound).
 
   Args:
-    max_norm: float32 scalar, the same on every device.
+    max_norm: scalar (float32, or float64 for float64 leaves), the same on every device.
     shards: this device's shard of every leaf.
     leaf_axes: per leaf, the mesh axes it is split over.
     impl: "ffi" (custom calls) or "jax".

@@ -10,8 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "andrea_clip_common.h"
-#include "andrea_clip_plan.h"
+#include "andrea_clip_decode.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace clipjax {
@@ -114,35 +113,41 @@ double SumSquares(const void* base, int64_t begin, int64_t end) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// x = (x * pre) * post in place, or zeros; pre == 1 is one multiply.
+// The leaf scaled in place as `s` says: a float32 multiply, a float64 one rounded
+// once (kMultiplyWide), or zeros.
 template <typename Leaf>
-void ApplyInPlace(void* base, int64_t n, int32_t action, float pre, float post) {
+void ApplyInPlace(void* base, int64_t n, const LeafScale& s) {
   auto* x = static_cast<typename Leaf::Storage*>(base);
-  if (action == kZeroFill) {
+  if (s.action == kZeroFill) {
     std::memset(x, 0, n * sizeof(typename Leaf::Storage));
-  } else if (pre != 1.0f) {
-    for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store((Leaf::Load(x[k]) * pre) * post);
+  } else if (s.action == kMultiplyWide) {
+    for (int64_t k = 0; k < n; ++k) {
+      x[k] = Leaf::Store(static_cast<float>(static_cast<double>(Leaf::Load(x[k])) * s.factor));
+    }
   } else {
-    for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store(Leaf::Load(x[k]) * post);
+    const float factor = static_cast<float>(s.factor);
+    for (int64_t k = 0; k < n; ++k) x[k] = Leaf::Store(Leaf::Load(x[k]) * factor);
   }
 }
 
-void Apply(const LeafDesc& leaf, int32_t action, float pre, float post) {
-  if (action == kKeep || leaf.num_elements == 0) return;
+void Apply(const LeafDesc& leaf, const LeafScale& s) {
+  if (s.action == kKeep || leaf.num_elements == 0) return;
   switch (leaf.dtype) {
-    case kF32: ApplyInPlace<F32Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
-    case kBF16: ApplyInPlace<BF16Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
-    default: ApplyInPlace<F16Leaf>(leaf.out, leaf.num_elements, action, pre, post); break;
+    case kF32: ApplyInPlace<F32Leaf>(leaf.out, leaf.num_elements, s); break;
+    case kBF16: ApplyInPlace<BF16Leaf>(leaf.out, leaf.num_elements, s); break;
+    default: ApplyInPlace<F16Leaf>(leaf.out, leaf.num_elements, s); break;
   }
 }
 
-// Results that XLA did not alias to their operands start as copies of them.
-void CopyUnaliased(const ClipCall& call) {
-  for (int64_t i = 0; i < call.num_leaves; ++i) {
-    const LeafDesc& leaf = call.leaves[i];
+// Stage 3 (k_grad_scale on the GPU), for either call. Results that XLA did not alias to
+// their operands start as copies of them; leaves that are kept are not written.
+void Scale(const LeafDesc* leaves, int64_t num_leaves, const LeafScale* leaf_scale) {
+  for (int64_t i = 0; i < num_leaves; ++i) {
+    const LeafDesc& leaf = leaves[i];
     if (leaf.out != leaf.in && leaf.num_elements > 0) {
       std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElementBytes(leaf.dtype));
     }
+    Apply(leaf, leaf_scale[i]);
   }
 }
 
@@ -170,8 +175,7 @@ void NormPartial(const ClipCall& call, double* partials, int64_t* leaf_range) {
 }
 
 // Stage 2 (k_grad_norm_final): per-leaf and global sums, norms and decisions.
-// Returns the global sum of squares.
-double NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
+void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
                  double* leaf_sumsq, LeafScale* leaf_scale) {
   const int64_t n = call.num_leaves;
   double total = 0.0;
@@ -196,52 +200,29 @@ double NormFinal(const ClipCall& call, const double* partials, const int64_t* le
   if (n == 0) clipped = global.action != kKeep;
   call.flags[0] = clipped;
   call.flags[1] = all_finite ? 0 : 1;
-  return total;
-}
-
-// Stage 3 (k_grad_scale): scale in place; leaves that are kept are not written.
-// The factor is max_norm / sqrt(sumsq) in float64. Where it is below the smallest
-// normal float32 (a norm above about 8e37 with max_norm 1), s.scale is subnormal, and
-// XLA runs its CPU threads with subnormals flushed to zero: the factor is then applied
-// as two normal float32 factors, 2**-64 and exact * 2**64.
-void Scale(const ClipCall& call, const LeafScale* leaf_scale, const double* leaf_sumsq,
-           double total) {
-  CopyUnaliased(call);
-  for (int64_t i = 0; i < call.num_leaves; ++i) {
-    const LeafScale s = leaf_scale[i];
-    const double sumsq = call.per_tensor ? leaf_sumsq[i] : total;
-    const double exact = static_cast<double>(*call.max_norm) / std::sqrt(sumsq);
-    if (s.action == kMultiply && exact > 0.0 &&
-        exact < static_cast<double>(std::numeric_limits<float>::min())) {
-      Apply(call.leaves[i], s.action, 0x1p-64f, static_cast<float>(exact * 0x1p64));
-    } else {
-      Apply(call.leaves[i], s.action, 1.0f, s.scale);
-    }
-  }
 }
 
 ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, int64_t mode, int64_t on_nonfinite) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
-  ffi::Error status = DecodeCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
+  ffi::Error status = DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
   if (status.failure()) return status;
   auto* partials = reinterpret_cast<double*>(call.workspace + call.layout.partials);
   auto* leaf_range = reinterpret_cast<int64_t*>(call.workspace + call.layout.leaf_range);
   auto* leaf_sumsq = reinterpret_cast<double*>(call.workspace + call.layout.leaf_sumsq);
   auto* leaf_scale = reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale);
   NormPartial(call, partials, leaf_range);
-  const double total = NormFinal(call, partials, leaf_range, leaf_sumsq, leaf_scale);
-  if (call.scale_leaves) Scale(call, leaf_scale, leaf_sumsq, total);
+  NormFinal(call, partials, leaf_range, leaf_sumsq, leaf_scale);
+  if (call.scale_leaves) Scale(call.leaves, call.num_leaves, leaf_scale);
   return ffi::Error::Success();
 }
 
-// The scale-only call: (x * factors[2i + 1]) * factors[2i] per leaf, as the pure-JAX
-// path's scale_leaf computes it (factors[2i + 1] is 1 but for a split subnormal factor).
+// The scale-only call: each leaf as its action says, the factor scale * 2**shift.
 ffi::Error AndreaScaleCpuImpl(ffi::AnyBuffer factors, ffi::AnyBuffer actions,
                               ffi::RemainingArgs args, ffi::RemainingRets rets) {
   thread_local std::vector<LeafDesc> leaves;
-  ClipCall call;
+  ScaleCall call;
   ffi::Error status = DecodeScaleCall(factors, actions, args, rets, &leaves, &call);
   if (status.failure()) return status;
   for (int64_t i = 0; i < call.num_leaves; ++i) {
@@ -251,11 +232,9 @@ ffi::Error AndreaScaleCpuImpl(ffi::AnyBuffer factors, ffi::AnyBuffer actions,
                                          " of leaf " + std::to_string(i) +
                                          " is not 0 (keep), 1 (multiply) or 2 (zero-fill)");
     }
+    call.table[i] = ScaleFromDecision(call.factors[2 * i], call.factors[2 * i + 1], action);
   }
-  CopyUnaliased(call);
-  for (int64_t i = 0; i < call.num_leaves; ++i) {
-    Apply(call.leaves[i], call.actions[i], call.factors[2 * i + 1], call.factors[2 * i]);
-  }
+  Scale(call.leaves, call.num_leaves, call.table);
   return ffi::Error::Success();
 }
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "andrea_clip_kernels.h"
-#include "andrea_clip_plan.h"
+#include "andrea_clip_decode.h"
 
 namespace clipjax {
 namespace {
@@ -26,7 +26,7 @@ ffi::Error AndreaClipCudaImpl(cudaStream_t stream, ffi::AnyBuffer max_norm,
                               int64_t on_nonfinite) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
-  ffi::Error status = DecodeCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
+  ffi::Error status = DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
   if (status.failure()) return status;
   return LaunchResult(LaunchAndreaClip(call, stream));
 }
@@ -35,7 +35,7 @@ ffi::Error AndreaScaleCudaImpl(cudaStream_t stream, ffi::AnyBuffer factors,
                                ffi::AnyBuffer actions, ffi::RemainingArgs args,
                                ffi::RemainingRets rets) {
   thread_local std::vector<LeafDesc> leaves;
-  ClipCall call;
+  ScaleCall call;
   ffi::Error status = DecodeScaleCall(factors, actions, args, rets, &leaves, &call);
   if (status.failure()) return status;
   return LaunchResult(LaunchAndreaScale(call, stream));

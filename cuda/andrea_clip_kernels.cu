@@ -211,6 +211,15 @@ __device__ void ChunkScale(void* p, int64_t count, float s, bool zero) {
   }
 }
 
+// Multiplies `count` elements at `p` by a factor below float32's normal range, in
+// float64 with one rounding to float32. Rare (a norm 2**126 times max_norm), so plain.
+template <int kDtype>
+__device__ void ChunkScaleWide(void* p, int64_t count, double factor) {
+  for (int64_t k = threadIdx.x; k < count; k += kThreads) {
+    StoreScalar<kDtype>(p, k, static_cast<float>(static_cast<double>(LoadScalar<kDtype>(p, k)) * factor));
+  }
+}
+
 template <int kCap>
 __global__ void __launch_bounds__(kThreads)
     k_grad_norm_partial(const __grid_constant__ ChunkTable<kCap> table, double* partials,
@@ -331,25 +340,28 @@ __global__ void __launch_bounds__(kThreads)
     if (remaining <= 0) continue;
     const int64_t count = remaining < kChunkElems ? remaining : kChunkElems;
     char* base = static_cast<char*>(e.data) + begin * ElemBytes(e.dtype);
+    if (s.action == kMultiplyWide) {
+      if (e.dtype == kF32) ChunkScaleWide<kF32>(base, count, s.factor);
+      else if (e.dtype == kBF16) ChunkScaleWide<kBF16>(base, count, s.factor);
+      else ChunkScaleWide<kF16>(base, count, s.factor);
+      continue;
+    }
+    const float factor = static_cast<float>(s.factor);
     const bool zero = s.action == kZeroFill;
-    if (e.dtype == kF32) ChunkScale<kF32>(base, count, s.scale, zero);
-    else if (e.dtype == kBF16) ChunkScale<kBF16>(base, count, s.scale, zero);
-    else ChunkScale<kF16>(base, count, s.scale, zero);
+    if (e.dtype == kF32) ChunkScale<kF32>(base, count, factor, zero);
+    else if (e.dtype == kBF16) ChunkScale<kBF16>(base, count, factor, zero);
+    else ChunkScale<kF16>(base, count, factor, zero);
   }
 }
 
 // The scale-only call: the per-leaf table k_grad_scale reads, from a decision made
-// elsewhere. The product of the two factors is rounded once, as DecideScale's float
-// division is (this code is built without flush-to-zero, so a subnormal factor stays).
+// elsewhere (scale * 2**shift; this code is built without flush-to-zero).
 __global__ void k_scale_table(int64_t num_leaves, const float* factors, const int32_t* actions,
                               LeafScale* leaf_scale) {
   AllowNextKernel();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_leaves) return;
-  LeafScale s;
-  s.scale = factors[2 * i] * factors[2 * i + 1];
-  s.action = actions[i];
-  leaf_scale[i] = s;
+  leaf_scale[i] = ScaleFromDecision(factors[2 * i], factors[2 * i + 1], actions[i]);
 }
 
 // What the launches need to know of the device that runs them, looked up once per
@@ -424,20 +436,30 @@ cudaError_t Launch(void (*kernel)(Params...), int64_t blocks, int threads, bool 
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-enum class Stage { kPartial, kScale };
+// One stage over a call's leaves: the partial sums (into `partials`/`leaf_range`) or
+// the scale (from `leaf_scale`; `any_action`, the clip's "clipped" flag or null).
+struct Stage {
+  const LeafDesc* leaves;
+  int64_t num_leaves;
+  bool partial;
+  double* partials;
+  int64_t* leaf_range;
+  const LeafScale* leaf_scale;
+  const int32_t* any_action;
+};
 
 template <int kCap>
-cudaError_t LaunchGroup(const ClipCall& call, int64_t first, int64_t count, Stage stage,
-                        const DeviceInfo& info, bool pdl, cudaStream_t stream) {
+cudaError_t LaunchGroup(const Stage& stage, int64_t first, int64_t count, const DeviceInfo& info,
+                        bool pdl, cudaStream_t stream) {
   ChunkTable<kCap> table;
-  table.chunk_base = call.leaves[first].chunk_begin;
+  table.chunk_base = stage.leaves[first].chunk_begin;
   table.num_entries = static_cast<int32_t>(count);
   table.unused = 0;
   int64_t end_chunk = table.chunk_base;
   for (int64_t j = 0; j < count; ++j) {
-    const LeafDesc& leaf = call.leaves[first + j];
+    const LeafDesc& leaf = stage.leaves[first + j];
     TableEntry& e = table.entry[j];
-    e.data = stage == Stage::kPartial ? const_cast<void*>(leaf.in) : leaf.out;
+    e.data = stage.partial ? const_cast<void*>(leaf.in) : leaf.out;
     e.num_elements = leaf.num_elements;
     e.chunk_begin = leaf.chunk_begin;
     e.leaf = static_cast<int32_t>(first + j);
@@ -445,52 +467,49 @@ cudaError_t LaunchGroup(const ClipCall& call, int64_t first, int64_t count, Stag
     end_chunk = leaf.chunk_begin + NumChunks(leaf.num_elements);
   }
   const int64_t chunks = end_chunk - table.chunk_base;
-  uint8_t* ws = call.workspace;
-  if (stage == Stage::kPartial) {
+  if (stage.partial) {
     return Launch(k_grad_norm_partial<kCap>, chunks, kThreads, false, stream, table,
-                  reinterpret_cast<double*>(ws + call.layout.partials),
-                  reinterpret_cast<int64_t*>(ws + call.layout.leaf_range));
+                  stage.partials, stage.leaf_range);
   }
   const int64_t blocks = chunks < info.scale_blocks ? chunks : info.scale_blocks;
-  // The clip's "clipped" flag; the scale-only call has none.
-  const int32_t* any_action = call.factors == nullptr ? call.flags : nullptr;
   return Launch(k_grad_scale<kCap>, blocks, kThreads, pdl, stream, table, chunks,
-                reinterpret_cast<const LeafScale*>(ws + call.layout.leaf_scale), any_action);
+                stage.leaf_scale, stage.any_action);
 }
 
 // Launches one stage over all leaves, in groups that fit a parameter table;
 // a small table is used when few leaves remain, so launches stay cheap. With
 // `pdl`, the stage's launches may start early (the scale stage: each waits on
 // the device for the kernel before it).
-cudaError_t LaunchStage(const ClipCall& call, Stage stage, const DeviceInfo& info, bool pdl,
+cudaError_t LaunchStage(const Stage& stage, const DeviceInfo& info, bool pdl,
                         cudaStream_t stream) {
-  for (int64_t first = 0; first < call.num_leaves; first += kMaxLeavesPerLaunch) {
-    const int64_t left = call.num_leaves - first;
+  for (int64_t first = 0; first < stage.num_leaves; first += kMaxLeavesPerLaunch) {
+    const int64_t left = stage.num_leaves - first;
     const int64_t count = left < kMaxLeavesPerLaunch ? left : kMaxLeavesPerLaunch;
     cudaError_t err;
-    if (count <= 32) err = LaunchGroup<32>(call, first, count, stage, info, pdl, stream);
-    else if (count <= 256) err = LaunchGroup<256>(call, first, count, stage, info, pdl, stream);
-    else err = LaunchGroup<kMaxLeavesPerLaunch>(call, first, count, stage, info, pdl, stream);
+    if (count <= 32) err = LaunchGroup<32>(stage, first, count, info, pdl, stream);
+    else if (count <= 256) err = LaunchGroup<256>(stage, first, count, info, pdl, stream);
+    else err = LaunchGroup<kMaxLeavesPerLaunch>(stage, first, count, info, pdl, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-// Results that XLA did not alias to their operands start as copies of them.
-// Sets *copied when it enqueued any copy.
-cudaError_t CopyUnaliased(const ClipCall& call, cudaStream_t stream, bool* copied) {
-  *copied = false;
-  for (int64_t i = 0; i < call.num_leaves; ++i) {
-    const LeafDesc& leaf = call.leaves[i];
+// Results that XLA did not alias to their operands start as copies of them; then the
+// scale stage. After a copy the scale kernel starts the ordinary way (the early start
+// is for a kernel that follows a kernel).
+cudaError_t CopyAndScale(const Stage& stage, const DeviceInfo& info, cudaStream_t stream) {
+  bool copied = false;
+  for (int64_t i = 0; i < stage.num_leaves; ++i) {
+    const LeafDesc& leaf = stage.leaves[i];
     if (leaf.out != leaf.in && leaf.num_elements > 0) {
       const cudaError_t err =
-          cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * (leaf.dtype == kF32 ? 4 : 2),
+          cudaMemcpyAsync(leaf.out, leaf.in, leaf.num_elements * ElemBytes(leaf.dtype),
                           cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) return err;
-      *copied = true;
+      copied = true;
     }
   }
-  return cudaSuccess;
+  return LaunchStage(stage, info, info.pdl && !copied, stream);
 }
 
 }  // namespace
@@ -499,25 +518,24 @@ cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);
   if (err != cudaSuccess) return err;
-  err = LaunchStage(call, Stage::kPartial, info, false, stream);
-  if (err != cudaSuccess) return err;
   uint8_t* ws = call.workspace;
+  auto* leaf_scale = reinterpret_cast<LeafScale*>(ws + call.layout.leaf_scale);
+  Stage partial = {call.leaves, call.num_leaves, true,
+                   reinterpret_cast<double*>(ws + call.layout.partials),
+                   reinterpret_cast<int64_t*>(ws + call.layout.leaf_range), nullptr, nullptr};
+  err = LaunchStage(partial, info, false, stream);
+  if (err != cudaSuccess) return err;
   err = Launch(k_grad_norm_final, 1, kFinalThreads, info.pdl, stream, call.num_leaves,
                reinterpret_cast<const double*>(ws + call.layout.partials),
                reinterpret_cast<const int64_t*>(ws + call.layout.leaf_range),
-               reinterpret_cast<double*>(ws + call.layout.leaf_sumsq),
-               reinterpret_cast<LeafScale*>(ws + call.layout.leaf_scale), call.max_norm,
+               reinterpret_cast<double*>(ws + call.layout.leaf_sumsq), leaf_scale, call.max_norm,
                call.norms, call.flags, call.per_tensor, call.zero_nonfinite);
   if (err != cudaSuccess || !call.scale_leaves) return err;
-  bool copied = false;
-  err = CopyUnaliased(call, stream, &copied);
-  if (err != cudaSuccess) return err;
-  // After a copy the scale kernel starts the ordinary way (the early start is for
-  // a kernel that follows a kernel).
-  return LaunchStage(call, Stage::kScale, info, info.pdl && !copied, stream);
+  Stage scale = {call.leaves, call.num_leaves, false, nullptr, nullptr, leaf_scale, call.flags};
+  return CopyAndScale(scale, info, stream);
 }
 
-cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream) {
+cudaError_t LaunchAndreaScale(const ScaleCall& call, cudaStream_t stream) {
   if (call.num_leaves == 0) return cudaSuccess;
   DeviceInfo info;
   cudaError_t err = GetDeviceInfo(&info);
@@ -525,13 +543,10 @@ cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream) {
   constexpr int kTableThreads = 256;
   const int64_t blocks = (call.num_leaves + kTableThreads - 1) / kTableThreads;
   err = Launch(k_scale_table, blocks, kTableThreads, false, stream, call.num_leaves,
-               call.factors, call.actions,
-               reinterpret_cast<LeafScale*>(call.workspace + call.layout.leaf_scale));
+               call.factors, call.actions, call.table);
   if (err != cudaSuccess) return err;
-  bool copied = false;
-  err = CopyUnaliased(call, stream, &copied);
-  if (err != cudaSuccess) return err;
-  return LaunchStage(call, Stage::kScale, info, info.pdl && !copied, stream);
+  Stage scale = {call.leaves, call.num_leaves, false, nullptr, nullptr, call.table, nullptr};
+  return CopyAndScale(scale, info, stream);
 }
 
 }  // namespace clipjax

@@ -1,13 +1,13 @@
-// The three CUDA kernels of `andrea_clip` and the host function that enqueues
-// them. The launcher takes a decoded call (see andrea_clip_common.h): leaf
-// pointers and sizes on the host, every other pointer in device memory. It
-// never synchronises and never allocates; it returns the first launch error.
+// The CUDA kernels of the two custom calls and the host functions that enqueue
+// them. A launcher takes a decoded call (andrea_clip_calls.h): leaf pointers and
+// sizes on the host, every other pointer in device memory. It never synchronises
+// and never allocates; it returns the first launch error.
 #ifndef CLIPJAX_ANDREA_CLIP_KERNELS_H_
 #define CLIPJAX_ANDREA_CLIP_KERNELS_H_
 
 #include <cuda_runtime.h>
 
-#include "andrea_clip_common.h"
+#include "andrea_clip_calls.h"
 
 namespace clipjax {
 
@@ -25,7 +25,7 @@ cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream);
 // The scale-only call (`clipjax_andrea_scale`, decoded by DecodeScaleCall):
 //   k_scale_table        one thread per leaf: factors and actions -> LeafScale table
 //   k_grad_scale         as above (without the flag: it looks up every chunk's leaf)
-cudaError_t LaunchAndreaScale(const ClipCall& call, cudaStream_t stream);
+cudaError_t LaunchAndreaScale(const ScaleCall& call, cudaStream_t stream);
 
 // Leaves described in one kernel parameter table (passed by value; CUDA 12.1+
 // allows kernel parameters up to 32 KB).

@@ -1,9 +1,9 @@
-// Python module `clipjax._clipjax_cpu`: hands the CPU handler to JAX and
-// exposes the chunking constants the Python wrapper needs to size results.
+// Python module `clipjax._clipjax_cpu`: hands the CPU handlers to JAX, with the
+// sizes the Python wrapper needs.
 #include <nanobind/nanobind.h>
 
-#include "andrea_clip_common.h"
 #include "andrea_clip_cpu.h"
+#include "bindings_layout.h"
 
 namespace nb = nanobind;
 
@@ -14,10 +14,5 @@ NB_MODULE(_clipjax_cpu, m) {
     d["clipjax_andrea_scale"] = nb::capsule(reinterpret_cast<void*>(AndreaScaleCpu));
     return d;
   });
-  m.attr("CHUNK_ELEMS") = clipjax::kChunkElems;
-  m.def("workspace_bytes", [](int64_t num_chunks, int64_t num_leaves) {
-    return clipjax::MakeWorkspaceLayout(num_chunks, num_leaves).total_bytes;
-  });
-  m.def("scale_workspace_bytes",
-        [](int64_t num_leaves) { return clipjax::ScaleWorkspaceBytes(num_leaves); });
+  clipjax::DefineLayout(m);
 }

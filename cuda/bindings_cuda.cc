@@ -1,7 +1,9 @@
-// Python module `clipjax._clipjax_cuda`: hands the CUDA handler to JAX.
+// Python module `clipjax._clipjax_cuda`: hands the CUDA handlers to JAX, with the
+// sizes the Python wrapper needs.
 #include <nanobind/nanobind.h>
 
 #include "andrea_clip_cuda.h"
+#include "bindings_layout.h"
 
 namespace nb = nanobind;
 
@@ -12,4 +14,5 @@ NB_MODULE(_clipjax_cuda, m) {
     d["clipjax_andrea_scale"] = nb::capsule(reinterpret_cast<void*>(AndreaScaleCuda));
     return d;
   });
+  clipjax::DefineLayout(m);
 }

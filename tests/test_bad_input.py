@@ -57,7 +57,7 @@ def test_python_float_leaves_are_accepted():
 
 def test_ffi_on_a_platform_without_handler_says_which_have_one(monkeypatch):
   platform = _dispatch.default_platform()  # cpu here, cuda on a GPU machine
-  monkeypatch.delitem(_ffi._registered, platform)
+  monkeypatch.delitem(_ffi._native, platform)
   with pytest.raises(RuntimeError, match=rf"platform '{platform}'.*registered only for"):
     clipjax.clip_tree({"g": jnp.ones(3)}, 1.0, impl="ffi")
   # auto and jax still work there

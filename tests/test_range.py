@@ -1,19 +1,15 @@
 """Scale factors and norms at the ends of float32's range, on both paths."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import clipjax
 from conftest import f64_norm
 
 
-CUSTOM_CALL_SPLIT = pytest.mark.xfail(
-    strict=True, reason="the custom call's decision (cuda/andrea_clip_common.h) still applies "
-    "a factor below 2**-126 as 2**-64 times the rest, so it flushes below about 2**-190")
-
-
-@pytest.mark.parametrize("impl", ["jax", pytest.param("ffi", marks=CUSTOM_CALL_SPLIT)])
 @pytest.mark.parametrize("x, max_norm", [(1e28, 1e-30), (3e38, 1e-20), (1e25, 1e-35)])
 def test_a_factor_far_below_float32s_range_is_applied_exactly(impl, x, max_norm):
   out = clipjax.clip_tree({"w": jnp.array([x], jnp.float32)}, max_norm, impl=impl)
@@ -35,3 +31,40 @@ def test_an_inf_leaf_gives_an_inf_norm_in_per_tensor_mode(impl):
   assert float(result.global_norm) == np.inf and bool(result.nonfinite)
   assert float(clipjax.global_norm(tree, impl=impl)) == np.inf
   np.testing.assert_allclose(float(result.leaf_norms[1]), 1e30, rtol=1e-7)
+
+
+# float64 leaves (with x64 on) are clipped in float64, norm and scale, on every path that
+# takes them; the custom call refuses them by name (tests/test_bad_input.py).
+F64_CASES = [
+    # (leaf, max_norm, on_nonfinite, expected updates)
+    ([1e300, 1.0], 1.0, "zero", [1.0, 1e-300]),
+    ([3.0, 4.0 + 1e-12], 1.0, "propagate", None),
+    ([1e200, -1e200], 1e-100, "propagate", None),
+]
+
+
+@pytest.mark.parametrize("leaf, max_norm, on_nonfinite, want", F64_CASES)
+def test_float64_leaves_are_clipped_in_float64(leaf, max_norm, on_nonfinite, want):
+  with jax.enable_x64(True):
+    x = np.asarray(leaf, np.float64)
+    b = np.full(2, np.float32(1e-3))
+    result = clipjax.clip_tree({"w": jnp.asarray(x), "b": jnp.asarray(b)}, max_norm,
+                               on_nonfinite=on_nonfinite)
+    norm = float(np.hypot.reduce(np.concatenate([x, b.astype(np.float64)])))
+    assert result.global_norm.dtype == jnp.float64
+    assert float(result.global_norm) == pytest.approx(norm, rel=1e-15)
+    assert not bool(result.nonfinite) and bool(result.clipped)
+    got = np.asarray(result.updates["w"])
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want if want else x * (max_norm / norm), rtol=1e-15)
+
+
+def test_float64_state_keeps_its_dtype_through_an_optax_chain():
+  with jax.enable_x64(True):
+    params = {"w": jnp.asarray([3.0, 4.0], jnp.float64)}
+    tx = optax.chain(clipjax.andrea_clip(1.0, mode="per_tensor"), optax.sgd(1.0))
+    state = tx.init(params)
+    updates, new_state = jax.jit(tx.update)(params, state, params)
+    assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
+    assert float(clipjax.clip_state(new_state).global_norm) == 5.0
+    np.testing.assert_allclose(np.asarray(updates["w"]), [-0.6, -0.8], rtol=1e-15)

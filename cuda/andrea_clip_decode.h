@@ -1,20 +1,14 @@
-// Host-side decoding of one `clipjax_andrea_clip` custom call, shared by the
-// CPU and CUDA handlers: the variadic leaf buffers become a flat list of
-// LeafDesc with their chunk offsets, and every buffer is checked.
-//
-// Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}.
-// Results:  [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the
-//           call only computes the norm), norms f32[n + 1] (global norm, then
-//           one norm per leaf), flags s32[2] (clipped, nonfinite),
-//           workspace u8[workspace_bytes(num_chunks, n)].
-#ifndef CLIPJAX_ANDREA_CLIP_PLAN_H_
-#define CLIPJAX_ANDREA_CLIP_PLAN_H_
+// Decoding the custom calls' FFI buffers into ClipCall / ScaleCall (host side,
+// shared by the CPU and CUDA handlers): the variadic leaf buffers become a flat
+// list of LeafDesc with their chunk offsets, and every buffer is checked.
+#ifndef CLIPJAX_ANDREA_CLIP_DECODE_H_
+#define CLIPJAX_ANDREA_CLIP_DECODE_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "andrea_clip_common.h"
+#include "andrea_clip_calls.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace clipjax {
@@ -70,7 +64,11 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
   return ffi::Error::Success();
 }
 
-inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
+// `clipjax_andrea_clip`. Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}.
+// Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
+// only computes the norm), norms f32[n + 1] (global norm, then one per leaf),
+// flags s32[2] (clipped, nonfinite), workspace u8[>= MakeClipWorkspace(...).total_bytes].
+inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
                              const ffi::RemainingRets& rets, int64_t mode,
                              int64_t on_nonfinite, std::vector<LeafDesc>* leaves,
                              ClipCall* call) {
@@ -103,7 +101,7 @@ inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::Remainin
   call->leaves = leaves->data();
   call->num_leaves = n;
   call->num_chunks = chunk;
-  call->layout = MakeWorkspaceLayout(chunk, n);
+  call->layout = MakeClipWorkspace(chunk, n);
 
   const int64_t first = call->scale_leaves ? n : 0;
   auto norms = rets.get<ffi::AnyBuffer>(first);
@@ -131,12 +129,12 @@ inline ffi::Error DecodeCall(const ffi::AnyBuffer& max_norm, const ffi::Remainin
   return ffi::Error::Success();
 }
 
-// Decodes one `clipjax_andrea_scale` call. Operands: factors f32[n, 2], actions s32[n],
+// `clipjax_andrea_scale`. Operands: factors f32[n, 2] (scale, shift), actions s32[n],
 // leaf_0 ... leaf_{n-1}. Results: leaf_0 ... leaf_{n-1} (aliased to the operands), then
-// workspace u8[ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
+// workspace u8[>= ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
 inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyBuffer& actions,
                                   const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                                  std::vector<LeafDesc>* leaves, ClipCall* call) {
+                                  std::vector<LeafDesc>* leaves, ScaleCall* call) {
   const int64_t n = static_cast<int64_t>(args.size());
   if (factors.element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(factors.element_count()) != 2 * n) {
@@ -167,9 +165,7 @@ inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyB
   call->leaves = leaves->data();
   call->num_leaves = n;
   call->num_chunks = chunk;
-  call->scale_leaves = true;
-  call->workspace = static_cast<uint8_t*>((*workspace)->untyped_data());
-  call->layout = WorkspaceLayout{0, 0, 0, 0, ScaleWorkspaceBytes(n)};  // LeafScale[n] at 0
+  call->table = static_cast<LeafScale*>((*workspace)->untyped_data());
   call->factors = static_cast<const float*>(factors.untyped_data());
   call->actions = static_cast<const int32_t*>(actions.untyped_data());
   return ffi::Error::Success();
@@ -177,4 +173,4 @@ inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyB
 
 }  // namespace clipjax
 
-#endif  // CLIPJAX_ANDREA_CLIP_PLAN_H_
+#endif  // CLIPJAX_ANDREA_CLIP_DECODE_H_

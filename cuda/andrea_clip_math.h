@@ -1,0 +1,98 @@
+// The clip's arithmetic, shared by the CPU handler, the CUDA kernels and (in
+// meaning) the pure-JAX path: what a norm is and what the clip does with it.
+// Everything here compiles both as host C++ and as CUDA device code.
+#ifndef CLIPJAX_ANDREA_CLIP_MATH_H_
+#define CLIPJAX_ANDREA_CLIP_MATH_H_
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define CLIPJAX_HD __host__ __device__ __forceinline__
+#else
+#define CLIPJAX_HD inline
+#endif
+
+namespace clipjax {
+
+// Leaf element types understood by the custom calls.
+enum LeafDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Values of the `mode` and `on_nonfinite` attributes.
+enum ClipMode : int64_t { kModeGlobal = 0, kModePerTensor = 1 };
+enum NonFinitePolicy : int64_t { kPropagate = 0, kZero = 1 };
+
+// What the scale stage does to one leaf. kMultiply multiplies by the factor as a
+// float32 (a normal one); kMultiplyWide multiplies in float64 and rounds once, for a
+// factor below float32's normal range, which a float32 multiply would flush or lose.
+enum LeafAction : int32_t { kKeep = 0, kMultiply = 1, kZeroFill = 2, kMultiplyWide = 3 };
+
+struct LeafScale {
+  double factor;
+  int32_t action;  // a LeafAction
+  int32_t unused;
+};
+
+CLIPJAX_HD float NormFromSumsq(double sumsq) { return static_cast<float>(sqrt(sumsq)); }
+
+CLIPJAX_HD bool IsFiniteDouble(double x) { return x - x == 0.0; }
+
+// A multiply by `factor` (> 0): as float32 where it is a normal float32, else wide.
+CLIPJAX_HD LeafScale Multiply(double factor) {
+  LeafScale s;
+  s.factor = factor;
+  s.action = factor >= static_cast<double>(FLT_MIN) ? kMultiply : kMultiplyWide;
+  s.unused = 0;
+  return s;
+}
+
+// The clip decision, identical on every platform and in the pure-JAX path:
+//   norm    = float32(sqrt(sum of squares))   (sum accumulated in float64)
+//   clipped = !(norm <= max_norm)             (a NaN norm counts as clipped)
+//   factor  = max_norm / norm                 (float32 division)
+// With on_nonfinite = zero, a NaN/inf sum of squares zero-fills instead. Where the
+// float32 quotient is not a normal float32 (a norm above the float32 range, or a
+// factor below 2**-126) and the sum is finite, the factor is max_norm / sqrt(sum)
+// in float64, applied in float64: huge finite gradients are scaled, never zeroed.
+CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfinite,
+                                 bool all_finite) {
+  LeafScale s;
+  s.unused = 0;
+  if (zero_nonfinite && !all_finite) {
+    s.factor = 0.0;
+    s.action = kZeroFill;
+    return s;
+  }
+  const float norm = NormFromSumsq(sumsq);
+  if (norm <= max_norm) {
+    s.factor = 1.0;
+    s.action = kKeep;
+    return s;
+  }
+  const float quotient = max_norm / norm;
+  if (quotient >= FLT_MIN || !IsFiniteDouble(sumsq)) {
+    s.factor = quotient;
+    s.action = kMultiply;
+    return s;
+  }
+  return Multiply(static_cast<double>(max_norm) / sqrt(sumsq));
+}
+
+// The scale-only call's entry for one leaf: `action` (keep, multiply or zero-fill)
+// with the factor scale * 2**shift, as the pure-JAX decision gives it
+// (clipjax/_jax_impl.py: `decide`).
+CLIPJAX_HD LeafScale ScaleFromDecision(float scale, float shift, int32_t action) {
+  if (action != kMultiply) {
+    LeafScale s;
+    s.factor = action == kKeep ? 1.0 : 0.0;
+    s.action = action;
+    s.unused = 0;
+    return s;
+  }
+  return Multiply(ldexp(static_cast<double>(scale), static_cast<int>(shift)));
+}
+
+}  // namespace clipjax
+
+#endif  // CLIPJAX_ANDREA_CLIP_MATH_H_

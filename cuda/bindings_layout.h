@@ -1,0 +1,22 @@
+// What both native modules tell the Python wrapper, so that either one alone can
+// size a call's results: the chunk size and the workspace bytes of each call.
+#ifndef CLIPJAX_BINDINGS_LAYOUT_H_
+#define CLIPJAX_BINDINGS_LAYOUT_H_
+
+#include <nanobind/nanobind.h>
+
+#include "andrea_clip_workspace.h"
+
+namespace clipjax {
+
+inline void DefineLayout(nanobind::module_& m) {
+  m.attr("CHUNK_ELEMS") = kChunkElems;
+  m.def("workspace_bytes", [](int64_t num_chunks, int64_t num_leaves) {
+    return MakeClipWorkspace(num_chunks, num_leaves).total_bytes;
+  });
+  m.def("scale_workspace_bytes", [](int64_t num_leaves) { return ScaleWorkspaceBytes(num_leaves); });
+}
+
+}  // namespace clipjax
+
+#endif  // CLIPJAX_BINDINGS_LAYOUT_H_
