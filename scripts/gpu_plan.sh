@@ -46,7 +46,7 @@ job_correctness() {  # $1: log folder; the sanitizers get the last 120 s
 job_bench() {  # the benchmark starts no new case in its last 100 s
   local own="BENCH_ARGS_${CUDA_VISIBLE_DEVICES:-}"
   # shellcheck disable=SC2086  # a list of arguments
-  timeout "$(left)" $PY benchmarks/bench_clip.py --no-probe --max-seconds "$(( $(left) - 100 ))" \
+  timeout "$(left)" $PY benchmarks/bench_clip.py --max-seconds "$(( $(left) - 100 ))" \
     --out "$1/bench.json" ${!own:-${BENCH_ARGS:-}} > "$1/bench.log" 2>&1
   local rc=$?
   tail -n 45 "$1/bench.log"
