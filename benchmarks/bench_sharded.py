@@ -1,13 +1,17 @@
 """Global-norm clipping of gradients sharded over every visible device: clipjax against
-optax.
+optax, the clip alone and inside the full training step.
 
 One run builds GPT-shaped gradients, lays them out over a 1-D mesh ("data",) of every device,
 checks each clip against a float64 reference, then times
   - the clip alone, K clips per jitted call, donated: clip_tree under jit (the drop-in,
     partitioned by XLA; with the custom call and pure JAX), sharded_clip_tree (explicit
     shard_map; the custom call and pure JAX), optax.clip_by_global_norm, and the custom call
-    on one device holding the whole tree.
-It prints one table and writes JSON.
+    on one device holding the whole tree;
+  - the FSDP training step, one per jitted call, params, optimizer state and gradients
+    donated: optax.chain(andrea_clip(1.0), adamw(1e-4)) against
+    optax.chain(clip_by_global_norm(1.0), adamw(1e-4)), with each device's busy time and
+    the per-device peak memory of the compiled step.
+It prints two tables and writes JSON.
 
     python benchmarks/bench_sharded.py                  # every visible GPU (at least 2)
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import clipjax
-from benchlib import sharded, tables, timing
+from benchlib import sharded, tables, timing, train_step
 from benchlib.cli import Log, choices
 from benchlib.profiling import compile_summary
 from benchlib.tables import num
@@ -49,6 +53,9 @@ def parse_args(argv=None):
   p.add_argument("--regimes", default="clip", help="comma list of: " + ", ".join(REGIMES))
   p.add_argument("--impls", default=None, help="comma list of: " + ", ".join(sharded.IMPLS)
                  + f" (default {DEFAULT_IMPLS}; --quick: all)")
+  p.add_argument("--steps", default=",".join(train_step.CHAINS),
+                 help="training-step chains to time, comma list of: "
+                      + ", ".join(train_step.CHAINS) + " ('' for none)")
   p.add_argument("--andrea-impl", default=None, choices=("auto", "ffi"),
                  help="impl= of the custom-call rows (default: auto on a GPU, the CUDA "
                       "custom call; ffi elsewhere, the CPU handler, since auto is pure JAX "
@@ -75,6 +82,7 @@ def parse_args(argv=None):
   args.dtypes = choices(p, "--dtypes", args.dtypes, DTYPES)
   args.regimes = choices(p, "--regimes", args.regimes, REGIMES)
   args.impls = choices(p, "--impls", args.impls or DEFAULT_IMPLS, sharded.IMPLS)
+  args.steps = choices(p, "--steps", args.steps, train_step.CHAINS) if args.steps else []
   return args
 
 
@@ -99,7 +107,7 @@ def main(argv=None):
   log(f"{args.model}: {meta['params'] / 1e6:.2f}M params, {meta['leaves']} leaves"
       f"{counts_note(args.model, meta['params'], meta['leaves'])}")
   out = args.out or tables.default_out_path("bench_sharded", meta)
-  results = {"meta": meta, "checks": [], "rows": []}
+  results = {"meta": meta, "checks": [], "rows": [], "steps": []}
   bw = timing.copy_bandwidth(COPY_BYTES if not args.quick else 1 << 24, 10, args.repeats)
   meta["copy_bandwidth_GBps"] = bw / 1e9
   log(f"copy bandwidth of one device (bytes read + written): {bw / 1e9:.0f} GB/s")
@@ -114,12 +122,14 @@ def main(argv=None):
   tables.save_json(results, out, complete=False)
   meta["skipped"] = []
   time_clips(args, layouts, andrea_impl, bw, results, out)
+  time_steps(args, layouts, results, out)
   time_clips(args, layouts, andrea_impl, bw, results, out, pure_jax=True)
   finish(results, args, out)
 
 
 def check_dtype(args, layouts, dtype, andrea_impl, results):
-  """Correctness before anything is timed: one clip per impl and layout on the same tree."""
+  """Correctness before anything is timed: one clip per impl and layout on the same tree, and
+  one step of each training chain."""
   ref_norm = f64_norm(layouts[args.layouts[0], dtype].tree(sharded.SEED))
   results["meta"].setdefault("reference_norm", {})[dtype] = ref_norm
   for name in args.layouts + (["single"] if "single" in args.impls else []):
@@ -129,6 +139,8 @@ def check_dtype(args, layouts, dtype, andrea_impl, results):
     log(f"{name} {dtype}: {layout.sharded_leaves()} of {results['meta']['leaves']} leaves "
         f"sharded, {device_bytes(layout.tree(sharded.SEED)) / 1e6:.1f} MB on the fullest device")
     results["checks"] += sharded.run_checks(layout, dtype, impls, ref_norm, andrea_impl, log)
+  if args.steps:
+    results["checks"] += train_step.check_chains(layouts["fsdp", dtype], dtype)
   for c in results["checks"]:
     if c["dtype"] == dtype:
       value = "" if c["value"] is None else f" {c['value']:.2e}" + (
@@ -147,7 +159,7 @@ def over_time(args, results, what):
 
 def time_clips(args, layouts, andrea_impl, bw, results, out, pure_jax=False):
   """Times each (layout, dtype, regime, impl) of the clip alone; the pure-JAX rows, the
-  slowest to compile, in a pass of their own after the others."""
+  slowest to compile, in a pass of their own after the training step."""
   K = {"plain": args.reps, "andrea": args.reps, "single": args.reps, "optax": args.optax_reps,
        "plain_jax": args.optax_reps, "jax": args.jax_reps}
   units = [(name, impl) for name in args.layouts for impl in sharded.SHARDED_IMPLS
@@ -181,6 +193,22 @@ def time_clips(args, layouts, andrea_impl, bw, results, out, pure_jax=False):
         tables.save_json(results, out, complete=False)
 
 
+def time_steps(args, layouts, results, out):
+  """Times each training-step chain on the FSDP layout, one step per call."""
+  for dtype in args.dtypes:
+    for name in args.steps:
+      what = f"fsdp {dtype} step {train_step.CHAINS[name][0]}"
+      if over_time(args, results, what):
+        continue
+      r = train_step.bench(name, layouts["fsdp", dtype], args)
+      results["steps"].append(dict(layout="fsdp", dtype=dtype, **r))
+      peak = (r["memory"] or {}).get("peak_bytes")
+      log(f"  {what:44s} in-jit {r['us_injit']:9.1f} us  device {num(r.get('us_device'), 9)}"
+          f" us  peak {num(peak and peak / 1e6, 9)} MB/device  (compile {r['compile_s']} s)")
+      train_step.add_ratios(results["steps"])
+      tables.save_json(results, out, complete=False)
+
+
 def finish(results, args, out):
   meta = results["meta"]
   order = {impl: i for i, impl in enumerate(sharded.IMPLS)}
@@ -190,6 +218,8 @@ def finish(results, args, out):
                                       layout_order.index(r["layout"]), order[r["impl"]]))
   sharded.add_ratios(results["rows"])
   print("\n" + tables.sharded_clip_table(results["rows"], meta))
+  if results["steps"]:
+    print("\n" + tables.train_step_table(results["steps"], meta))
   if meta["skipped"]:
     print("skipped (over --max-seconds): " + "; ".join(meta["skipped"]))
   failed = [c for c in results["checks"] if not c["ok"]]

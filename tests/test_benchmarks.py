@@ -68,7 +68,7 @@ def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   results, stdout = run_quick("bench_sharded.py", tmp_path, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   meta = results["meta"]
   assert meta["device_count"] == 2 and meta["passed"] and meta["complete"]
-  assert "SHARDED CLIP" in stdout
+  assert "SHARDED CLIP" in stdout and "FSDP TRAINING STEP" in stdout
   assert {r["impl"] for r in results["rows"]} == {"plain", "plain_jax", "andrea", "jax",
                                                  "optax", "single"}
   single = find(results["rows"], impl="single")
@@ -83,6 +83,18 @@ def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   for impl in ("plain", "andrea"):
     hlo = find(results["rows"], impl=impl)["hlo"]
     assert hlo["custom_calls"] > 0 and set(hlo["collectives"]) == {"all-reduce"}
+  checks = {c["what"]: c for c in results["checks"]}
+  assert checks["step andrea: first moment vs float64"]["ok"]
+  assert checks["step: parameters, andrea vs optax chain (normwise)"]["ok"]
+  # the training step: both chains, per-device memory of the compiled step
+  params_bytes = 4 * meta["params"] // 2  # f32, half on each device
+  for chain in ("andrea", "optax"):
+    step = find(results["steps"], chain=chain)
+    assert step["us_injit"] > 0 and step["learning_rate"] == 1e-4 and step["max_norm"] == 1.0
+    # arguments: params, both moments and the gradients, plus a few scalars of state
+    assert 4 * params_bytes <= step["memory"]["argument_bytes"] < 4 * params_bytes + 1024
+    assert step["memory"]["peak_bytes"] >= step["memory"]["argument_bytes"]
+  assert find(results["steps"], chain="optax")["speedup_vs_optax"] == 1.0
 
 
 def test_bench_compile_quick(tmp_path):

@@ -99,6 +99,23 @@ def sharded_clip_table(rows, meta):
       "elements).")
 
 
+def train_step_table(rows, meta):
+  columns = [("dtype", -5, lambda r: r["dtype"]), ("step", -34, lambda r: r["label"]),
+             ("in-jit", 9, lambda r: r["us_injit"]),
+             ("device", 9, lambda r: r.get("us_device")),
+             ("per device", -19, lambda r: per_device_text(r.get("device_us_per_device"))),
+             ("peak MB/dev", 11, lambda r: mb(r["memory"], "peak_bytes")),
+             ("temp MB/dev", 11, lambda r: mb(r["memory"], "temp_bytes")),
+             ("vs optax", 8, lambda r: (r["speedup_vs_optax"], 2))]
+  return render(
+      f"FSDP TRAINING STEP, us per step: {sharded_title(meta)}; params, optimizer state and "
+      f"gradients donated; every step clips", columns, rows,
+      "in-jit: wall time per step, one step per jitted call; device: the busiest device's "
+      "busy time per step (profiler), per device: each device's; peak, temp: per device, "
+      "from compiled.memory_analysis(); vs optax: optax's chain's device time (else in-jit) "
+      "over this row's.")
+
+
 def sharded_title(meta):
   return (f"{meta['model']} ({meta['params'] / 1e6:.2f}M params, {meta['leaves']} leaves) "
           f"over {meta['device_count']} x {meta['device_kinds'][0]}")
@@ -113,6 +130,17 @@ def collectives_text(h):
     return "none"
   ops = " ".join(f"{n} {short.get(op, op)}" for op, n in sorted(h["collectives"].items()))
   return f"{ops}, max {h['collective_max_elements']}"
+
+
+def per_device_text(per_device):
+  if not per_device:
+    return "-"
+  return " / ".join(f"{v:.1f}" for _, v in sorted(per_device.items()))
+
+
+def mb(memory, key):
+  value = (memory or {}).get(key)
+  return None if value is None else value / 1e6
 
 
 # --- JSON ---------------------------------------------------------------------------------
