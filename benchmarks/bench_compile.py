@@ -6,14 +6,14 @@ compiles `jax.jit(tx.update)` for andrea_clip (the custom call, and pure JAX) an
 optax.clip_by_global_norm. A case that runs past --timeout-s is reported as such. It prints
 one table and writes JSON.
 
-    python benchmarks/bench_compile.py --leaves 1000,5000,20000 --out compile.json
+    python benchmarks/bench_compile.py --leaves 1000,5000,20000
+    python benchmarks/bench_compile.py --quick     # 50 leaves: a few seconds on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -61,29 +61,37 @@ def main(argv=None):
   p.add_argument("--leaves", default="1000,5000,20000", help="comma list of leaf counts")
   p.add_argument("--impls", default=",".join(IMPLS), help="comma list of: " + ", ".join(IMPLS))
   p.add_argument("--timeout-s", type=float, default=600, help="per case")
-  p.add_argument("--out", help="JSON file for the results")
+  p.add_argument("--out", default=None,
+                 help="JSON path (default benchmarks/results/bench_compile-<date>-<device>.json)")
+  p.add_argument("--quick", action="store_true", help="50 leaves, each case at most 120 s")
   p.add_argument("--child", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     leaves, impl = args.child.split(":")
     print(json.dumps(compile_once(int(leaves), impl)))
     return
+  if args.quick:
+    args.leaves, args.timeout_s = "50", 120
   impls = args.impls.split(",")
   for impl in impls:
     if impl not in IMPLS:
       p.error(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
   rows = [run_case(int(n), impl, args.timeout_s)
           for n in args.leaves.split(",") for impl in impls]
-  print(f"{'leaves':>7s} {'impl':6s} {'compile s':>10s} {'peak RSS GB':>12s}  status")
-  for r in rows:
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    print(f"{r['leaves']:7d} {r['impl']:6s} {fmt(r['compile_s'], '10.1f')} "
-          f"{fmt(r['peak_rss_gb'], '12.2f')}  {r['status']}")
-  if args.out:
-    meta = {"python": platform.python_version(), "machine": platform.machine(),
-            "argv": sys.argv, "date": time.strftime("%Y-%m-%d")}
-    with open(args.out, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+  from benchlib import tables  # noqa: PLC0415 - imports jax, which the children must not share
+  print(tables.render(
+      "COMPILE TIME of one jitted update, and the compiling process's peak resident memory",
+      [("leaves", 7, lambda r: (r["leaves"], 0)), ("impl", -6, lambda r: r["impl"]),
+       ("compile s", 10, lambda r: r["compile_s"]),
+       ("peak RSS GB", 12, lambda r: (r["peak_rss_gb"], 2)),
+       ("status", -20, lambda r: r["status"])],
+      rows, "impl: ffi andrea_clip (the custom call), jax andrea_clip(impl=\"jax\"), optax "
+            "optax.clip_by_global_norm; float32 leaves of 1-2,000 elements."))
+  results = {"meta": tables.run_metadata(args), "rows": rows}
+  out = args.out or tables.default_out_path("bench_compile", results["meta"])
+  tables.save_json(results, out, complete=True)
+  print(f"wrote {out}")
 
 
 if __name__ == "__main__":

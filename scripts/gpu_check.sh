@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds clipjax for sm_90 on a CUDA machine, runs the GPU tests, the CUDA
-# sanitizers and (optionally) the benchmark, and prints a summary.
+# On a CUDA machine: builds clipjax for sm_90, runs the GPU tests, the CUDA sanitizers over
+# scripts/sanitize_kernels.py and (if asked) the benchmark, and prints a summary.
 #
-#   scripts/gpu_check.sh                  # build, tests, sanitizers
+#   scripts/gpu_check.sh                     # build, test, sanitize
 #   STAGES=build,test,bench scripts/gpu_check.sh
-#   STAGES=memcheck scripts/gpu_check.sh  # stages: build test sanitize memcheck racecheck bench
+#   STAGES=memcheck scripts/gpu_check.sh     # stages: build test sanitize memcheck racecheck bench
 #
-# Logs go to $LOG_DIR (default: ./gpu_check_logs).
+# GPU_TESTS: pytest arguments, quoted as on a command line (-k "ffi or scale" stays one
+# argument); BENCH_ARGS: arguments of benchmarks/bench_clip.py. Logs go to $LOG_DIR
+# (default ./gpu_check_logs); the exit status is 1 if any stage failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-build,test,sanitize}
@@ -24,7 +26,7 @@ record() {  # name, exit code, log
 }
 
 {
-  echo "date: $(date -u +%FT%TZ)"
+  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   nvcc --version | tail -n 2
   $PY -c "import jax, jaxlib, optax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__); print(jax.devices())"
@@ -36,38 +38,31 @@ if has build; then
   rc=$?
   grep -E "ptxas|registers|spill|warning" "$LOG_DIR/build.log" | head -40
   record build $rc build.log
-  [[ $rc -ne 0 ]] && { tail -40 "$LOG_DIR/build.log"; }
+  [[ $rc -ne 0 ]] && tail -40 "$LOG_DIR/build.log"
   $PY -c "import clipjax; print('ffi platforms:', clipjax.ffi_platforms())" 2>&1 | tee -a "$LOG_DIR/env.txt"
 fi
 
 if has test; then
-  # GPU_TESTS: pytest arguments, quoted as on a command line (e.g. -k "ffi or scale").
   eval "tests=(${GPU_TESTS:-tests/test_gpu.py tests/test_andrea_clip.py tests/test_scale_call.py})"
   $PY -m pytest -q -ra "${tests[@]}" 2>&1 | tee "$LOG_DIR/pytest_gpu.log"
   record "pytest (GPU)" "${PIPESTATUS[0]}" pytest_gpu.log
 fi
 
-# sanitize = memcheck + racecheck; either can be asked for alone (they can run side by side).
-# They run scripts/sanitize_kernels.py: the custom call alone, host references, so that the
-# only kernels checked are clipjax's. (Over the pytest suite, compute-sanitizer itself
-# crashed with SIGSEGV in tests that also ran XLA's reduction kernels, with or without
-# XLA's command buffers.)
+# The sanitizers run scripts/sanitize_kernels.py: the custom calls alone with host
+# references, so that the kernels checked are clipjax's, not XLA's. The platform allocator
+# gives every buffer its own cudaMalloc, so an access out of bounds is seen instead of
+# landing inside XLA's arena. racecheck runs the script's groups of cases, one process each.
 if has sanitize || has memcheck || has racecheck; then
-  # The platform allocator gives every buffer its own cudaMalloc, so an
-  # out-of-bounds access is seen instead of landing inside XLA's arena.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
-  # racecheck runs the cases in four processes: over all eleven in one process, and once
-  # over five, compute-sanitizer itself crashed (SIGSEGV) on an H200 after cases that
-  # passed, with no hazard reported; each group of three or fewer has been clean.
-  racecheck_groups=("mixed dtypes,odd sizes,scale call"
-                    "one big leaf,1100 leaves (two tables),below max_norm"
-                    "per tensor,nan propagates,nan zero-fills"
-                    "inf propagates,inf zero-fills")
   for tool in memcheck racecheck; do
     has sanitize || has $tool || continue
     extra=(); [[ $tool == memcheck ]] && extra=(--leak-check no)
-    groups=(""); [[ $tool == racecheck ]] && groups=("${racecheck_groups[@]}")
     rc=0; : > "$LOG_DIR/$tool.log"
+    groups=("")
+    if [[ $tool == racecheck ]]; then
+      mapfile -t groups < <($PY scripts/sanitize_kernels.py --groups)
+      (( ${#groups[@]} )) || { echo "no racecheck groups" >> "$LOG_DIR/$tool.log"; rc=1; }
+    fi
     for group in "${groups[@]}"; do
       compute-sanitizer --tool $tool "${extra[@]}" --print-limit 20 --error-exitcode 9 \
         $PY scripts/sanitize_kernels.py ${group:+"$group"} >> "$LOG_DIR/$tool.log" 2>&1 || rc=$?
@@ -79,6 +74,7 @@ if has sanitize || has memcheck || has racecheck; then
 fi
 
 if has bench; then
+  # shellcheck disable=SC2086  # a list of arguments
   $PY benchmarks/bench_clip.py --out "$LOG_DIR/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench.log"
   record benchmark "${PIPESTATUS[0]}" bench.log
 fi

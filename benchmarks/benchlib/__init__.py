@@ -1,0 +1,5 @@
+"""What the benchmark scripts share: the gradient trees and their layouts (trees), timed
+rounds and the max_norm schedule (timing), the profiler's device time and compiled-HLO
+summaries (profiling), the torch baseline (torch_baseline), the single-device clips and
+steps (clips), the sharded clips and training step (sharded, train_step), the printed
+tables and JSON files (tables), and the command lines (cli)."""

@@ -1,0 +1,298 @@
+"""The clips and optimizer steps bench_clip.py times on one device, and how it times them.
+
+The clip alone: one jitted call applies the clip K times in sequence, each repetition's
+output the next one's input through an optimization barrier (so XLA can neither fuse one
+repetition's scaling into the next one's norm nor drop a repetition), the trees donated (so
+every repetition moves exactly one clip's bytes). The step: optax.chain(clip, adamw) written
+out, params, optimizer state and gradients donated, one step per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import clipjax
+from benchlib import timing
+from benchlib.profiling import compile_summary
+from benchlib.timing import (DECAY, MAX_CLIPS_PER_TREE, NORM_RATIO, PER_CALL_FACTOR,
+                             PROFILED_CALLS, WARMUP_CALLS, max_norm_schedule, regime_holds)
+from benchlib.trees import f32_norm, f64_norm, max_rel_err_vs_f64
+
+JAX_IMPLS = ("ffi", "jax", "optax")
+LABELS = {"ffi": "andrea_clip", "jax": "andrea_clip(jax)", "optax": "optax", "torch": "torch"}
+IN_PLACE = ("ffi",)  # the custom call writes the clipped gradients over its input
+ADAMW = dict(learning_rate=3e-4, weight_decay=0.1)
+# Correctness against float64: one rounding of the factor and one to the leaf's type. optax
+# is measured the same way and reported, not checked: on bf16 leaves it sums in bf16.
+UPDATE_RTOL = {"f32": 1e-6, "bf16": 2.0**-7}
+# K, the clips per in-jit call, is what moves CALL_BYTES (3N bytes per clip clipping, N not),
+# at least the K given and at most MAX_REPS[impl]: about 12 ms of GPU work at an H200's
+# bandwidth, well above the host's dispatch of a call of hundreds of donated arrays (up to
+# 6.5 ms). At most UNROLL[impl] clips are written out (compile time grows faster than that);
+# a larger K runs them as passes of a loop, K = passes x written out.
+CALL_BYTES = 50e9
+MAX_REPS = {"ffi": 2400, "optax": 128, "jax": 48}
+UNROLL = {"ffi": 80, "optax": 16, "jax": 4}
+
+
+def clip_transform(impl, andrea_impl):
+  """max_norm -> the clip's GradientTransformation (max_norm traced: one compile serves both
+  regimes)."""
+  if impl == "optax":
+    return optax.clip_by_global_norm
+  impl_arg = andrea_impl if impl == "ffi" else "jax"
+  return lambda max_norm: clipjax.andrea_clip(max_norm, impl=impl_arg)
+
+
+def repeated_clip(make_clip, loops=1, decay=1.0, name="repeated_clip"):
+  """jit(trees, max_norms) -> trees: U = len(max_norms) clips written out, run `loops` times.
+
+  Repetition k of a pass clips trees[k % len(trees)] with max_norms[k]; after each pass every
+  max_norm is multiplied by `decay` (a Python float, so they stay weakly typed). With
+  loops > 1 the passes are a fori_loop, so a call can hold thousands of clips while XLA
+  compiles only U of them.
+  """
+  def one_pass(trees, max_norms):
+    trees = list(trees)
+    for k, m in enumerate(max_norms):
+      i = k % len(trees)
+      tx = make_clip(m)
+      trees[i] = jax.lax.optimization_barrier(tx.update(trees[i], tx.init(trees[i]))[0])
+    return trees
+
+  def run(trees, max_norms):
+    if loops == 1:
+      return one_pass(trees, max_norms)
+
+    def body(_, carry):
+      trees, ms = carry
+      return one_pass(trees, ms), (tuple(m * decay for m in ms) if decay != 1.0 else ms)
+    return jax.lax.fori_loop(0, loops, body, (list(trees), tuple(max_norms)))[0]
+  run.__name__ = name
+  return jax.jit(run, donate_argnums=0)
+
+
+def repeated_step(make_clip, return_clipped, name="repeated_step"):
+  """(jit(params, opt_state, grads, max_norms) -> the same, init): len(max_norms) steps.
+
+  The step hands gradients to the next one at no memory cost: the clipped ones where the
+  clip wrote them in place (`return_clipped`, the custom call), else the input ones (the
+  pure-JAX clips, whose scaling XLA may fuse into adamw's update as in training).
+  `make_clip` None: adamw alone.
+  """
+  adamw = optax.adamw(**ADAMW)
+
+  def init(params):
+    return (make_clip(1.0).init(params) if make_clip else optax.EmptyState(),
+            adamw.init(params))
+
+  def run(params, opt_state, grads, max_norms):
+    clip_state, adam_state = opt_state
+    for m in max_norms:
+      clipped = grads
+      if make_clip:
+        clipped, clip_state = make_clip(m).update(grads, clip_state, params)
+      updates, adam_state = adamw.update(clipped, adam_state, params)
+      params = optax.apply_updates(params, updates)
+      grads = clipped if return_clipped else grads
+      params, clip_state, adam_state, grads = jax.lax.optimization_barrier(
+          (params, clip_state, adam_state, grads))
+    return params, (clip_state, adam_state), grads
+  run.__name__ = name
+  return jax.jit(run, donate_argnums=(0, 1, 2)), init
+
+
+class JaxFunctions:
+  """One jitted function per clip and per step variant, shared by every shape and regime."""
+
+  def __init__(self, andrea_impl):
+    self.andrea_impl = andrea_impl
+    self._clips, self._steps = {}, {}
+
+  def clip(self, impl, loops=1, decay=1.0):
+    key = (impl, loops, decay)
+    if key not in self._clips:
+      self._clips[key] = repeated_clip(clip_transform(impl, self.andrea_impl), loops, decay)
+    return self._clips[key]
+
+  def step(self, variant):
+    if variant not in self._steps:
+      make_clip = None if variant == "adamw" else clip_transform(variant, self.andrea_impl)
+      self._steps[variant] = repeated_step(make_clip, variant in IN_PLACE)
+    return self._steps[variant]
+
+
+def check_clips(fns, impls, case):
+  """One clip per impl on the same tree, max_norm a tenth of its norm: the updates against
+  the float64 product of the input and max_norm / norm."""
+  reference = case.random_tree(100)
+  norm = f64_norm(reference)
+  checks = []
+  for impl in impls:
+    updates = fns.clip(impl)([case.random_tree(100)], (jnp.asarray(norm / NORM_RATIO),))
+    err = max_rel_err_vs_f64(updates, reference, 1 / NORM_RATIO)
+    tol = None if impl == "optax" else UPDATE_RTOL[case.dtype]
+    checks.append({"model": case.model, "dtype": case.dtype, "impl": impl,
+                   "what": "updates vs float64" + (" (not checked)" if tol is None else ""),
+                   "value": err, "tol": tol, "ok": tol is None or err <= tol})
+  return checks
+
+
+def scaled_reps(K, impl, case, regime, cfg):
+  """(clips written out U, passes) for one in-jit call; K = U x passes."""
+  if not cfg.no_scale_reps:
+    moved = case.grad_bytes * (3 if regime == "clip" else 1)
+    K = max(K, min(MAX_REPS[impl], math.ceil(CALL_BYTES / moved)))
+  loops = math.ceil(K / (cfg.unroll or UNROLL[impl]))
+  return math.ceil(K / loops), loops
+
+
+def bench_clip(fns, impl, case, regime, cfg):
+  """One clip in one regime: in-jit (K clips per jitted call), and one clip per call."""
+  R = case.rotation
+  seeds = [100 + i for i in range(R)]
+  U, loops = scaled_reps({"jax": cfg.jax_reps, "optax": cfg.optax_reps}.get(impl, cfg.reps),
+                         impl, case, regime, cfg)
+  U = -(-U // R) * R  # a whole number of times round the trees per pass
+  K = U * loops
+  fn = fns.clip(impl, loops, DECAY**(U // R) if regime == "clip" else 1.0)
+  injit_calls = cfg.iters
+  if regime == "clip":
+    injit_calls = max(PROFILED_CALLS + 1, min(injit_calls, MAX_CLIPS_PER_TREE * R // K))
+  one = fns.clip(impl)
+  norm0 = min(float(f32_norm(case.random_tree(s))) for s in seeds)
+  example = [case.random_tree(s) for s in seeds]
+  out = {"reps": K, "reps_written_out": U, "loops": loops,
+         "calls_per_round_injit": injit_calls,
+         "hlo_injit": compile_summary(fn, example, tuple(max_norm_schedule(regime, 1.0, U))),
+         "hlo_call": compile_summary(one, example[:1],
+                                     tuple(max_norm_schedule(regime, 1.0, 1)))}
+  del example
+
+  def fresh_for(per_call, calls):
+    def fresh(state):  # the first U max_norms of each call (the loop scales them pass by pass)
+      del state
+      return {"arrays": [case.random_tree(s) for s in seeds],
+              "ms": [m for c in range(max(calls, WARMUP_CALLS, PROFILED_CALLS))
+                     for m in max_norm_schedule(regime, norm0, min(per_call, U),
+                                                first=c * per_call, rotation=R)]}
+    return fresh
+
+  def call_injit(state, c):
+    state["arrays"] = fn(state["arrays"], tuple(state["ms"][c * U:(c + 1) * U]))
+    return state
+
+  def call_one(state, c):
+    i = c % R
+    state["arrays"][i] = one([state["arrays"][i]], (state["ms"][c],))[0]
+    return state
+
+  ok = True
+  for key, per_call, call, calls in (("injit", K, call_injit, injit_calls),
+                                     ("call", 1, call_one, cfg.iters * PER_CALL_FACTOR)):
+    t = timing.seconds_per_call(fresh_for(per_call, calls), call, calls, cfg.repeats,
+                                profile=key == "injit" and not cfg.no_profile)
+    out.update(timing.per_repetition(t, per_call, key))
+    ok = ok and regime_holds(regime, t["state"]["arrays"], norm0,
+                             per_call * t["calls_since_fresh"], R)
+    del t
+  out["regime_ok"] = ok
+  return out
+
+
+def bench_step(fns, variant, case, regime, cfg):
+  """One donated optimizer step per jitted call (and K per call if --step-reps > 1)."""
+  fn, init = fns.step(variant)
+  K = min(cfg.step_reps, cfg.jax_reps) if variant == "jax" else cfg.step_reps
+  grad_seed = 7
+  norm0 = float(f32_norm(case.random_tree(grad_seed)))
+  carried = {"params": case.random_tree(3, scale=0.02)}
+  carried["opt_state"] = init(carried["params"])
+  grads = case.random_tree(grad_seed)
+  out = {w: compile_summary(fn, carried["params"], carried["opt_state"], grads,
+                            tuple(max_norm_schedule(regime, 1.0, n)))
+         for w, n in (("hlo_injit", K), ("hlo_call", 1)) if n == 1 or K > 1}
+  out.setdefault("hlo_injit", out["hlo_call"])
+  out["reps"] = K
+  del grads
+
+  def fresh_for(per_call, calls):
+    def fresh(state):
+      if state is not None:  # parameters and moments carry on; gradients start afresh
+        carried["params"], carried["opt_state"] = state["arrays"][:2]
+      del state
+      return {"arrays": (carried.pop("params"), carried.pop("opt_state"),
+                         case.random_tree(grad_seed)),
+              "ms": max_norm_schedule(regime, norm0, per_call * max(calls, WARMUP_CALLS,
+                                                                    PROFILED_CALLS)),
+              "per_call": per_call}
+    return fresh
+
+  def call(state, c):
+    n = state["per_call"]
+    state["arrays"] = fn(*state["arrays"], tuple(state["ms"][c * n:(c + 1) * n]))
+    return state
+
+  ok = True
+  rounds = [("call", 1, cfg.step_iters * PER_CALL_FACTOR)]
+  if K > 1:
+    rounds.insert(0, ("injit", K, cfg.step_iters))
+  for key, per_call, calls in rounds:
+    t = timing.seconds_per_call(fresh_for(per_call, calls), call, calls, cfg.repeats,
+                                profile=key == rounds[0][0] and not cfg.no_profile)
+    out.update(timing.per_repetition(t, per_call, key))
+    params, opt_state, grads = t["state"]["arrays"]
+    ok = ok and regime_holds(regime, [grads], norm0, per_call * t["calls_since_fresh"])
+    ok = ok and math.isfinite(float(f32_norm(params)))
+    carried["params"], carried["opt_state"] = params, opt_state
+    del t, params, opt_state, grads
+  if K == 1:  # one step per call: the in-jit and per-call numbers are one measurement
+    out["us_injit"] = out["us_call"]
+  out["regime_ok"] = ok
+  return out
+
+
+def add_ratios(clips, steps):
+  """x floor, speed-ups over optax and torch, and each clip's marginal cost in the step.
+
+  Speed-ups and the marginal use the GPU's busy time where there is one (torch: its CUDA
+  graph replay), else the in-jit wall time, which can be the host's dispatch rather than
+  the GPU's work.
+  """
+  def same_case(rows, row, impl, framework=None):
+    for r in rows:
+      if ((r["model"], r["dtype"], r["regime"], r["impl"]) == (row["model"], row["dtype"],
+                                                               row["regime"], impl)
+          and framework in (None, r.get("framework"))):
+        return r
+    return None
+
+  def gpu_time(r):
+    return r.get("us_device") or r.get("us_injit")
+
+  for row in clips:
+    t = gpu_time(row)
+    row["x_floor"] = row["us_injit"] / row["floor_us"] if row.get("us_injit") else None
+    row["x_floor_device"] = row["us_device"] / row["floor_us"] if row.get("us_device") else None
+    optax_row, torch_row = same_case(clips, row, "optax"), same_case(clips, row, "torch")
+    row["speedup_vs_optax"] = gpu_time(optax_row) / t if optax_row and t else None
+    row["speedup_vs_torch"] = None
+    if torch_row and t:  # torch's faster form: CUDA graph replay, or eager calls
+      row["speedup_vs_torch"] = min(x for x in (torch_row.get("us_graph"),
+                                                torch_row["us_call"]) if x) / t
+  for row in steps:
+    row["marginal_us"] = row["marginal_wall_us"] = row["x_marginal_floor"] = None
+    alone = same_case(steps, row, "adamw", row["framework"])
+    if row["impl"] == "adamw" or alone is None:
+      continue
+    wall = "us_injit" if row["framework"] == "jax" else "us_call"
+    row["marginal_wall_us"] = row[wall] - alone[wall]
+    if row.get("us_device") and alone.get("us_device"):
+      row["marginal_us"] = row["us_device"] - alone["us_device"]
+    else:
+      row["marginal_us"] = row["marginal_wall_us"]
+    row["x_marginal_floor"] = row["marginal_us"] / row["floor_us"]
