@@ -80,14 +80,19 @@ def _real_parts(x, dtype):
 def leaf_sums(x, dtype=_F32):
   """(mid, big, small): the leaf's three sums of squares, in `dtype`.
 
-  Three reductions of the same leaf. XLA:GPU fuses them into one multi-output reduction
-  per leaf; XLA:CPU runs one pass over the leaf for each.
+  One reduction: the leaf is broadcast against the three factors along a new leading
+  axis and reduced over its own axes, so XLA reads it once (and partitions it like any
+  per-leaf reduction: the leaf is neither reshaped nor copied).
   """
   # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
   # x^2 * c^2 and fold c^2, which is 0 or inf.
-  factors = lax.optimization_barrier([jnp.asarray(2.0**k, dtype) for k in _sum_exponents(dtype)])
-  parts = _real_parts(x, dtype)
-  return tuple(sum(jnp.sum(jnp.square(part * c)) for part in parts) for c in factors)
+  factors = lax.optimization_barrier(
+      jnp.asarray([2.0**k for k in _sum_exponents(dtype)], dtype))
+  sums = 0
+  for part in _real_parts(x, dtype):
+    scaled = part[None] * factors.reshape((3,) + (1,) * part.ndim)
+    sums = sums + jnp.sum(jnp.square(scaled), axis=tuple(range(1, part.ndim + 1)))
+  return sums[0], sums[1], sums[2]
 
 
 def pick_norm(mid, big, small):

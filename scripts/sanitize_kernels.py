@@ -11,7 +11,6 @@ small copies): the sanitizer checks ours, not XLA's. Each case prints a line; th
 status is 1 if any result is wrong. Runs on a CPU too (the custom call's CPU handler).
 """
 
-import inspect
 import sys
 
 import jax
@@ -90,11 +89,7 @@ def check_scale(name, leaves):
   n = len(leaves)
   scale = np.linspace(0.25, 0.75, n).astype(F32)
   keep, zero = np.arange(n) % 3 == 0, np.arange(n) % 3 == 2
-  # The factor's second part leaves it unchanged: a power of two `shift` of 0, or (before
-  # the factor was split into scale x 2**shift) a float32 pre-factor `pre` of 1.
-  second = list(inspect.signature(_ffi.andrea_scale).parameters)[1]
-  neutral = np.int32(0) if second == "shift" else F32(1)
-  run = jax.jit(lambda ls: _ffi.andrea_scale(scale, neutral, keep, zero, ls), donate_argnums=0)
+  run = jax.jit(lambda ls: _ffi.andrea_scale(scale, 0, keep, zero, ls), donate_argnums=0)
   got = run([jax.device_put(x) for x in leaves])
   errors = []
   for i, (x, y) in enumerate(zip(leaves, got)):

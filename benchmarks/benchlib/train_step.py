@@ -4,8 +4,11 @@ or optax.clip_by_global_norm(1.0) as the clip, parameters, optimizer state and g
 laid out alike (FSDP).
 
 The gradients stand in for those a backward pass would make inside the step: fresh standard
-normals, donated to the step as the step's own intermediates would be free for reuse. Their
-norm (about 1e4 for gpt120m) is far above 1.0, so every step clips.
+normals, donated, and scaled by a traced 1.0 (a loss scale) into a buffer of the step's own
+behind an optimization barrier, as a backward pass materializes its gradients. Both chains
+pay for that pass; the clip then finds its gradients in an intermediate that it may
+overwrite, as in training, and not in an argument of the step (which XLA would copy first).
+Their norm (about 1e4 for gpt120m) is far above 1.0, so every step clips.
 """
 
 from __future__ import annotations
@@ -44,19 +47,24 @@ def chain(name):
   return optax.chain(CHAINS[name][1](), optax.adamw(LEARNING_RATE))
 
 
+ONE = np.float32(1.0)  # the traced loss scale of every step
+
+
 def step_fn(tx, layout, params):
-  """(jit(params, opt_state, grads) -> (params, opt_state), opt_state): one step, all three
-  donated, each leaf laid out by its shape as `layout` says."""
+  """(jit(params, opt_state, grads, loss_scale) -> (params, opt_state), opt_state): one
+  step, the first three arguments donated, each leaf laid out by its shape as `layout`
+  says."""
   opt_state = jax.jit(tx.init, out_shardings=layout.shardings_like(
       jax.eval_shape(tx.init, params)))(params)
 
-  def step(params, opt_state, grads):
+  def step(params, opt_state, grads, loss_scale):
+    grads = jax.lax.optimization_barrier(jax.tree.map(lambda g: g * loss_scale, grads))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   p_sh, s_sh = layout.shardings_like(params), layout.shardings_like(opt_state)
-  fn = jax.jit(step, in_shardings=(p_sh, s_sh, layout.shardings), out_shardings=(p_sh, s_sh),
-               donate_argnums=(0, 1, 2))
+  fn = jax.jit(step, in_shardings=(p_sh, s_sh, layout.shardings, None),
+               out_shardings=(p_sh, s_sh), donate_argnums=(0, 1, 2))
   return fn, opt_state
 
 
@@ -74,7 +82,7 @@ def check_chains(layout, dtype):
   for name in CHAINS:
     params = layout.tree(PARAMS_SEED, scale=0.02)
     fn, opt_state = step_fn(chain(name), layout, params)
-    params_after[name], opt_state = fn(params, opt_state, layout.tree(GRADS_SEED))
+    params_after[name], opt_state = fn(params, opt_state, layout.tree(GRADS_SEED), ONE)
     mu = opt_state[1][0].mu  # chain state: (clip, adamw); adamw: (scale_by_adam, ...)
     err = max_rel_err_vs_f64(mu, grads, factor)
     check(f"step {name}: first moment vs float64" + (" (not checked)" if name == "optax"
@@ -95,7 +103,7 @@ def bench(name, layout, cfg):
   devices' busy time per step, and the per-device memory XLA planned for it."""
   params = layout.tree(PARAMS_SEED, scale=0.02)
   fn, opt_state = step_fn(chain(name), layout, params)
-  summary = compile_summary(fn, params, opt_state, layout.tree(GRADS_SEED))
+  summary = compile_summary(fn, params, opt_state, layout.tree(GRADS_SEED), ONE)
   calls = cfg.iters
   carried = {"params": params, "opt_state": opt_state}
   del params, opt_state
@@ -109,7 +117,7 @@ def bench(name, layout, cfg):
     return {"arrays": (carried.pop("params"), carried.pop("opt_state")), "grads": pool}
 
   def call(state, c):
-    state["arrays"] = fn(*state["arrays"], state["grads"][c])
+    state["arrays"] = fn(*state["arrays"], state["grads"][c], ONE)
     state["grads"][c] = None
     return state
 
