@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
   parser, cfg = config.parse_args(argv)
   try:
     loop.train(cfg)
-  except loop.USER_ERRORS as e:
-    parser.error(str(e))
+  except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
   except loop.TrainingDiverged as e:
     sys.exit(f"train_gpt.py: {e}")
 

@@ -80,8 +80,8 @@ def test_an_earlier_run_is_refused_without_resume_or_overwrite(run, tiny, capsys
   with pytest.raises(SystemExit) as exit_info:
     train_gpt.main(argv)
   assert exit_info.value.code == 2
-  err = capsys.readouterr().err.strip().splitlines()[-1]
-  assert err.endswith(f": error: --out-dir {cfg.out_dir} holds an earlier run "
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.rstrip("\n").endswith(f": error: --out-dir {cfg.out_dir} holds an earlier run "
                  "(metrics.jsonl, config.json, summary.json, checkpoints): pass --resume "
                  "to continue it or --overwrite to replace it")  # one line, no traceback
   with pytest.raises(config.ConfigError, match="choose one"):
