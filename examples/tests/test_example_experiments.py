@@ -111,15 +111,19 @@ def test_fallback_vs_ffi_on_the_cpu(tmp_path, cache_dir):
 
 def test_a_repeated_impl_is_a_control_run(tmp_path, cache_dir):
   out = tmp_path / "control"
-  results = exp_fallback_vs_cuda.main(
-      ["--configs", "tiny", "--steps", "4", "--clip-impls", "jax,ffi,jax", "--time-configs", "",
-       "--out-dir", str(out), "--cache-dir", cache_dir, *TINY])
+  argv = ["--configs", "tiny", "--steps", "4", "--clip-impls", "jax,ffi,jax",
+          "--time-configs", "", "--out-dir", str(out), "--cache-dir", cache_dir, *TINY]
+  results = exp_fallback_vs_cuda.main(argv)
   assert results["run_labels"] == ["jax", "ffi", "jax-2"]
   assert {"tiny-jax", "tiny-ffi", "tiny-jax-2"} <= set(os.listdir(out))
   control = results["equivalence"]["tiny"]["jax-2"]
   # On the CPU a run is reproducible: the control drifts by nothing at all.
   assert control["max_norm_rel_diff"] == 0.0 and control["max_loss_abs_diff"] == 0.0
   assert "`jax-2` repeats an impl" in (out / "report.md").read_text()
+  # Its runs are not trained over again unless asked to.
+  with pytest.raises(config.ConfigError, match=f"--out-dir {out / 'tiny-jax'} holds an "
+                     "earlier run .* or --overwrite to replace it"):
+    exp_fallback_vs_cuda.main(argv)
 
 
 def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
