@@ -51,6 +51,11 @@ def _file_digests(step_dir: str) -> dict:
   return digests
 
 
+def directory_bytes(directory: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, name))
+             for root, _, files in os.walk(directory) for name in files)
+
+
 def all_finite(tree) -> bool:
   return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(tree)
              if np.issubdtype(np.asarray(x).dtype, np.inexact))
@@ -73,13 +78,16 @@ class RunCheckpoints:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def save(self, step: int, params, opt_state, host_state: dict) -> None:
+  def save(self, step: int, params, opt_state, host_state: dict) -> str:
+    """Saves checkpoint `step` (each array once: the parameters and the optimizer state),
+    then its checksums; returns its directory."""
     self._manager.save(step, args=ocp.args.Composite(
         arrays=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
         host=ocp.args.JsonSave(host_state)), force=True)
     self._manager.wait_until_finished()
     digests = _file_digests(self.step_dir(step))
     metrics.write_json_atomic(os.path.join(self.step_dir(step), CHECKSUMS), digests)
+    return self.step_dir(step)
 
   def _problem(self, step: int) -> str | None:
     """What is wrong with the files of checkpoint `step`, or None."""

@@ -44,12 +44,15 @@ class TrainConfig:
   out_dir: str | None = None  # default: runs/CONFIG-RECIPE
   cache_dir: str | None = None  # default: ~/.cache/clipjax
   resume: bool = False
+  overwrite: bool = False  # replace an earlier run in out_dir (without it, that is refused)
+  keep_checkpoints: int = 2  # the latest this many checkpoints are kept
   stop_after_step: int | None = None  # end this run early, as if interrupted
   # Wall-clock budget: the run ends (and reports) after the step during which it runs out.
   # The schedule still spans `steps`, so such a run is the head of the planned one.
   time_limit_s: float | None = None
   nonfinite_stop: int = 3  # stop after this many steps in a row with a NaN/inf loss or norm
-  num_samples: int = 3
+  num_samples: int = 3  # prompts drawn from the held-out text, unless `prompts` are given
+  prompts: tuple[str, ...] = ()
   sample_tokens: int = 96
   sample_temperature: float = 0.8
   plot: bool = True
@@ -93,7 +96,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
   positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
-              "sample_tokens", "nonfinite_stop")
+              "sample_tokens", "nonfinite_stop", "keep_checkpoints")
   for field in positive:
     if not getattr(cfg, field) > 0:
       raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
@@ -107,6 +110,11 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   if cfg.stop_after_step is not None and not 1 <= cfg.stop_after_step <= cfg.steps:
     raise ConfigError(f"--stop-after-step must be in [1, {cfg.steps}], "
                       f"got {cfg.stop_after_step}")
+  if any(not prompt.strip() for prompt in cfg.prompts):
+    raise ConfigError("--prompt must not be empty")
+  if cfg.resume and cfg.overwrite:
+    raise ConfigError("--resume continues the run in --out-dir and --overwrite replaces it: "
+                      "choose one")
   if cfg.time_limit_s is not None and not cfg.time_limit_s > 0:
     raise ConfigError(f"--time-limit-s must be > 0, got {cfg.time_limit_s}")
   try:
@@ -156,8 +164,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--source", action="append", default=[], metavar="NAME=PATH_OR_GLOB",
                  help=f"read a source ({', '.join(corpus.SOURCE_NAMES)}) from a file, "
                       "directory or glob: plain text (a document per file) or JSONL "
-                      "(question/answer or text fields); repeatable; sources not named "
-                      "use the default text of the installed Python")
+                      "(question/answer or text fields), .gz/.bz2/.xz decompressed, binary "
+                      "files skipped; repeatable; sources not named use the default text "
+                      "of the installed Python")
   p.add_argument("--max-source-mb", type=float, default=d.max_source_mb,
                  help="text read per source (default: %(default)s)")
   p.add_argument("--bandit-eta", type=float, default=d.bandit_config.eta,
@@ -171,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--checkpoint-every", type=int, help="* steps between checkpoints")
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint in --out-dir")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an earlier run in --out-dir (without --resume or this, a "
+                      "directory that holds a run is refused)")
+  p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                 help="how many of the latest checkpoints are kept (default: %(default)s)")
   p.add_argument("--stop-after-step", type=int,
                  help="stop (after a checkpoint) at this step, as if interrupted")
   p.add_argument("--time-limit-s", type=float,
@@ -180,7 +194,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help="stop after this many steps in a row whose loss or gradient norm is "
                       "NaN/inf; no checkpoint holding NaN is ever saved (default: %(default)s)")
   p.add_argument("--num-samples", type=int, default=d.num_samples,
-                 help="samples generated at the end (default: %(default)s)")
+                 help="samples generated at the end, their prompts cut from each source's "
+                      "held-out text in turn (default: %(default)s)")
+  p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                 help="sample from this prompt instead (repeatable: one sample each)")
   p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
                  help="(default: %(default)s)")
   p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
@@ -190,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help="no progress bar")
   args = vars(p.parse_args(argv))
   args["sources"] = tuple(args.pop("source"))
+  args["prompts"] = tuple(args.pop("prompt"))
   args["bandit_config"] = bandit.BanditConfig(
       eta=args.pop("bandit_eta"), floor=args.pop("bandit_floor"),
       smoothing=args.pop("bandit_smoothing"))

@@ -1,4 +1,5 @@
-"""The three text sources the bandit mixes, as lists of documents.
+"""The three text sources the bandit mixes: the user's files or the default text, each
+split into training text and held-out text, and the sample prompts drawn from the latter.
 
 Each source has a distinct form, as in the ANDREA documents:
 
@@ -6,49 +7,44 @@ Each source has a distinct form, as in the ANDREA documents:
   gutenberg        long prose
   hermes3-general  question & answer
 
-A source comes from the user's files (`--source NAME=PATH_OR_GLOB`: plain text, one
-document per file, or JSONL with `question`/`answer` fields or a `text` field), or, by
-default, from real text already on any machine where Python is installed, so the example
-needs no download and the repository ships no data:
+`--source NAME=PATH_OR_GLOB` reads a source from the user's files (a file, a directory,
+meaning every file below it, or a glob; read in sorted order). Each file is
 
-  repo-docs        the README (METADATA body), .md and .rst files of installed packages
-  gutenberg        the long reference texts in `pydoc_data.topics` and long stdlib module
-                   docstrings
-  hermes3-general  "What does `json.dumps` do?" -> the first paragraph of its docstring,
-                   for public functions, classes and methods of the stdlib (read with
-                   `ast`, nothing is imported)
+- decompressed first if its name ends in .gz, .bz2 or .xz;
+- skipped, with one warning line naming it, if it is binary (it holds a NUL byte, or more
+  than MAX_INVALID_UTF8_SHARE of its bytes are not UTF-8), holds no text, or does not
+  decompress;
+- JSONL if its first non-blank line is a JSON object, whatever the file is called: one
+  document per line, from `question` and `answer` fields or a `text` field;
+- otherwise one plain-text document.
 
-File lists are sorted, so the default corpus is the same on every run on one machine.
+A source whose files are all skipped is an error naming the source and every file. Sources
+not named on the command line use the default text (default_corpus.py).
+
+The last HELD_OUT_SHARE of each source's text (by characters) is held out of training;
+the samples at the end of a run continue prompts cut from it.
 """
 
-import ast
-import functools
+import bz2
 import glob
+import gzip
 import json
+import lzma
 import os
-import pydoc_data.topics
-import site
-import sysconfig
-import warnings
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
+
+import default_corpus
 
 SOURCE_NAMES = ("repo-docs", "gutenberg", "hermes3-general")
-
-_SKIPPED_DIRS = frozenset(
-    {"__pycache__", "test", "tests", "testing", "idle_test", "site-packages",
-     "idlelib", "lib2to3", "turtledemo", "ensurepip", "licenses", "node_modules"})
-_SKIPPED_FILE_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "AUTHORS")
-_MIN_DOC_CHARS = 200
-_MIN_MODULE_DOC_CHARS = 1500
-_MIN_ANSWER_CHARS = 40
+MAX_INVALID_UTF8_SHARE = 0.01
+HELD_OUT_SHARE = 0.05
+PROMPT_CHARS = 64
+_DECOMPRESS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+_DECOMPRESS_ERRORS = (OSError, EOFError, ValueError, lzma.LZMAError)
 
 
 class SourceError(ValueError):
   """A --source flag or a source file that cannot be used; the message names it."""
-
-
-def format_qa(question: str, answer: str) -> str:
-  return f"Question: {question.strip()}\nAnswer: {answer.strip()}"
 
 
 def parse_source_flags(flags: Sequence[str]) -> dict[str, str]:
@@ -68,19 +64,16 @@ def parse_source_flags(flags: Sequence[str]) -> dict[str, str]:
   return paths
 
 
-def load_corpus(source_paths: dict[str, str], max_bytes: int) -> dict[str, list[str]]:
-  """All three sources: the user's files where given, else the default text."""
-  defaults = {
-      "repo-docs": default_repo_docs,
-      "gutenberg": default_gutenberg,
-      "hermes3-general": default_hermes3_general,
-  }
+def load_corpus(source_paths: dict[str, str], max_bytes: int,
+                warn: Callable[[str], None] = print) -> dict[str, list[str]]:
+  """All three sources: the user's files where given, else the default text; at most
+  max_bytes of UTF-8 each."""
   corpus = {}
   for name in SOURCE_NAMES:
     if name in source_paths:
-      docs = read_source_files(name, source_paths[name])
+      docs = read_source_files(name, source_paths[name], warn)
     else:
-      docs = defaults[name]()
+      docs = default_corpus.SOURCES[name]()
     corpus[name] = _take(docs, max_bytes)
     if not corpus[name]:
       raise SourceError(f"source {name!r}: no text found")
@@ -90,7 +83,8 @@ def load_corpus(source_paths: dict[str, str], max_bytes: int) -> dict[str, list[
 # --- The user's files -------------------------------------------------------------
 
 
-def read_source_files(name: str, pattern: str) -> Iterator[str]:
+def read_source_files(name: str, pattern: str,
+                      warn: Callable[[str], None] = print) -> Iterator[str]:
   """Documents from a file, a directory (all files below it) or a glob."""
   pattern = os.path.expanduser(pattern)
   if os.path.isdir(pattern):
@@ -98,41 +92,73 @@ def read_source_files(name: str, pattern: str) -> Iterator[str]:
   paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   if not paths:
     raise SourceError(f"source {name!r}: no file matches {pattern!r}")
+  found, skipped = False, []
   for path in paths:
-    if os.path.getsize(path) == 0:
-      raise SourceError(f"source {name!r}: file {path} is empty")
-    if path.endswith(".jsonl"):
-      yield from _read_jsonl(name, path)
-    else:
-      with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-      if not text.strip():
-        raise SourceError(f"source {name!r}: file {path} is empty")
-      yield text
-
-
-def _read_jsonl(name: str, path: str) -> Iterator[str]:
-  found = False
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      where = f"source {name!r}: {path}:{line_number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise SourceError(f"{where}: not valid JSON ({e.msg})") from None
-      if isinstance(record, dict) and "question" in record and "answer" in record:
-        yield format_qa(str(record["question"]), str(record["answer"]))
-      elif isinstance(record, dict) and "text" in record:
-        yield str(record["text"])
-      else:
-        raise SourceError(
-            f"{where}: expected an object with 'question' and 'answer' fields "
-            "(or a 'text' field)")
-      found = True
+    text, problem = read_text(path)
+    docs = [] if text is None else documents(name, path, text)
+    found = found or bool(docs)
+    yield from docs
+    if not docs:
+      problem = problem or "no text"
+      warn(f"warning: source {name!r}: skipping {path}: {problem}")
+      skipped.append(f"{path} ({problem})")
   if not found:
-    raise SourceError(f"source {name!r}: file {path} is empty")
+    raise SourceError(f"source {name!r}: no usable text in {pattern!r}; skipped "
+                      + ", ".join(skipped))
+
+
+def read_text(path: str) -> tuple[str | None, str | None]:
+  """(the file's text, None), or (None, why it is not text)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  suffix = os.path.splitext(path)[1].lower()
+  if suffix in _DECOMPRESS:
+    try:
+      data = _DECOMPRESS[suffix](data)
+    except _DECOMPRESS_ERRORS as e:
+      return None, f"does not decompress as {suffix} ({type(e).__name__}: {e})"
+  if b"\0" in data:
+    return None, "binary (it holds NUL bytes)"
+  invalid = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+  if invalid > MAX_INVALID_UTF8_SHARE * len(data):
+    return None, f"binary ({invalid / len(data):.0%} of its bytes are not UTF-8)"
+  return data.decode("utf-8", errors="replace").removeprefix("\ufeff"), None
+
+
+def documents(name: str, path: str, text: str) -> list[str]:
+  """A JSONL file's records (recognised by its first non-blank line), else the text as
+  one document; [] for a file with no text."""
+  lines = text.split("\n")
+  first = next((line for line in lines if line.strip()), None)
+  if first is None:
+    return []
+  if not _is_json_object(first):
+    return [text]
+  docs = []
+  for line_number, line in enumerate(lines, start=1):
+    if line.strip():
+      docs.append(_jsonl_document(f"source {name!r}: {path}:{line_number}", line))
+  return docs
+
+
+def _is_json_object(line: str) -> bool:
+  try:
+    return isinstance(json.loads(line), dict)
+  except json.JSONDecodeError:
+    return False
+
+
+def _jsonl_document(where: str, line: str) -> str:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise SourceError(f"{where}: not valid JSON ({e.msg})") from None
+  if isinstance(record, dict) and "question" in record and "answer" in record:
+    return default_corpus.format_qa(str(record["question"]), str(record["answer"]))
+  if isinstance(record, dict) and "text" in record:
+    return str(record["text"])
+  raise SourceError(f"{where}: expected an object with 'question' and 'answer' fields "
+                    "(or a 'text' field)")
 
 
 def _take(docs: Iterable[str], max_bytes: int) -> list[str]:
@@ -150,103 +176,46 @@ def _take(docs: Iterable[str], max_bytes: int) -> list[str]:
   return taken
 
 
-# --- The default corpus, from the installed Python --------------------------------
+# --- Held-out text and sample prompts ---------------------------------------------
 
 
-def _walk_sorted(root: str) -> Iterator[str]:
-  for directory, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
-    for filename in sorted(filenames):
-      yield os.path.join(directory, filename)
-
-
-def _site_packages_dirs() -> list[str]:
-  dirs = set(site.getsitepackages())
-  dirs.update(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-  if site.ENABLE_USER_SITE:
-    dirs.add(site.getusersitepackages())
-  return sorted(d for d in dirs if os.path.isdir(d))
-
-
-def default_repo_docs() -> Iterator[str]:
-  for root in _site_packages_dirs():
-    for path in _walk_sorted(root):
-      filename = os.path.basename(path)
-      is_metadata = filename == "METADATA" and path.endswith(".dist-info/METADATA")
-      if filename.upper().startswith(_SKIPPED_FILE_PREFIXES):
-        continue
-      if not (is_metadata or filename.endswith((".md", ".rst"))):
-        continue
-      with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-      if is_metadata:  # the headers end at the first blank line; the body is the README
-        text = text.partition("\n\n")[2]
-      if len(text.strip()) >= _MIN_DOC_CHARS:
-        yield text.strip()
-
-
-def default_gutenberg() -> Iterator[str]:
-  for _, text in sorted(pydoc_data.topics.topics.items()):
-    if len(text) >= _MIN_DOC_CHARS:
-      yield text.strip()
-  module_docs, _ = _parsed_stdlib()
-  yield from (doc for doc in module_docs if len(doc) >= _MIN_MODULE_DOC_CHARS)
-
-
-def default_hermes3_general() -> Iterator[str]:
-  _, definitions = _parsed_stdlib()
-  for qualname, docstring, is_class in definitions:
-    answer = " ".join(docstring.split("\n\n")[0].split())
-    if len(answer) < _MIN_ANSWER_CHARS:
+def split_held_out(docs: list[str], share: float = HELD_OUT_SHARE
+                   ) -> tuple[list[str], list[str]]:
+  """(training documents, held-out documents): the last `share` of the characters is
+  held out, the document it starts in cut at a whitespace."""
+  train, held_out = list(docs), []
+  wanted = int(share * sum(len(doc) for doc in docs))
+  while wanted > 0 and train:
+    doc = train.pop()
+    if len(doc) <= wanted:
+      held_out.insert(0, doc)
+      wanted -= len(doc)
       continue
-    question = (f"What is `{qualname}`?" if is_class else f"What does `{qualname}` do?")
-    yield format_qa(question, answer)
+    cut = len(doc) - wanted
+    cut = max(doc.rfind(" ", 0, cut), doc.rfind("\n", 0, cut)) + 1 or cut
+    if doc[:cut].strip():
+      train.append(doc[:cut])
+    held_out.insert(0, doc[cut:])
+    wanted = 0
+  return train, held_out
 
 
-@functools.lru_cache(maxsize=1)
-def _parsed_stdlib() -> tuple[list[str], list[tuple[str, str, bool]]]:
-  """Module docstrings, and (qualified name, docstring, is_class) of the public
-  functions, classes and methods, of every public stdlib module."""
-  stdlib = sysconfig.get_paths()["stdlib"]
-  module_docs, definitions = [], []
-  for path in _walk_sorted(stdlib):
-    module = _module_name(stdlib, path)
-    if module is None:
-      continue
-    try:
-      with open(path, encoding="utf-8") as f, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tree = ast.parse(f.read())
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-      continue
-    doc = ast.get_docstring(tree)
-    if doc:
-      module_docs.append(doc)
-    definitions.extend(_public_definitions(tree, module))
-  return module_docs, definitions
+def held_out_prompts(held_out: dict[str, list[str]], count: int) -> list[str]:
+  """`count` prompts taking turns over the sources; each is the start of one held-out
+  document (the last first: the first may begin mid-document), about PROMPT_CHARS long."""
+  names = [name for name in held_out if any(doc.strip() for doc in held_out[name])]
+  if not names:
+    return []
+  prompts = []
+  for i in range(count):
+    docs = [doc for doc in held_out[names[i % len(names)]] if doc.strip()]
+    prompts.append(_prompt(docs[-1 - (i // len(names)) % len(docs)]))
+  return prompts
 
 
-def _module_name(stdlib: str, path: str) -> str | None:
-  if not path.endswith(".py"):
-    return None
-  parts = os.path.relpath(path, stdlib)[:-len(".py")].split(os.sep)
-  if parts[-1] == "__init__":
-    parts = parts[:-1]
-  if not parts or any(p.startswith("_") for p in parts):
-    return None
-  return ".".join(parts)
-
-
-def _public_definitions(node: ast.AST, prefix: str) -> Iterator[tuple[str, str, bool]]:
-  for child in getattr(node, "body", []):
-    if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-      continue
-    if child.name.startswith("_"):
-      continue
-    qualname = f"{prefix}.{child.name}"
-    doc = ast.get_docstring(child)
-    is_class = isinstance(child, ast.ClassDef)
-    if doc:
-      yield qualname, doc, is_class
-    if is_class:
-      yield from _public_definitions(child, qualname)
+def _prompt(doc: str) -> str:
+  """The start of `doc`, at most PROMPT_CHARS and half of it, cut after a whitespace."""
+  text = doc.lstrip()
+  limit = max(1, min(PROMPT_CHARS, len(text) // 2))
+  cut = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit)) + 1
+  return text[:cut or limit]

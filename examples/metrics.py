@@ -1,4 +1,7 @@
-"""The run's metrics log (metrics.jsonl) and atomic writes of the run's files.
+"""The run's metrics log (metrics.jsonl), its records, and atomic writes of the run's files.
+
+Two kinds of record: one per phase boundary (`phase_record`) and one per step
+(`step_record`), written in step order.
 
 Every file of a run is written so that a kill at any moment leaves the old file or the
 new one, never a shortened one: `write_atomic` writes a temporary file beside the target
@@ -10,6 +13,9 @@ dropped when the log is read back.
 
 import json
 import os
+from typing import Sequence
+
+import numpy as np
 
 
 def write_atomic(path: str, write) -> None:
@@ -43,9 +49,34 @@ def read_records(path: str) -> list[dict]:
   return records
 
 
+def step_records(records: list[dict]) -> list[dict]:
+  return [r for r in records if r["kind"] == "step"]
+
+
+def phase_record(step: int, phase: int, length: int, names: Sequence[str], weights,
+                 reward) -> dict:
+  """A phase boundary: the phase's source weights and the rewards that set them (None
+  for the first phase)."""
+  return {"kind": "phase", "step": step, "phase": phase, "length": length,
+          "weights": dict(zip(names, np.asarray(weights).tolist())),
+          "reward": None if reward is None else dict(zip(names, np.asarray(reward).tolist()))}
+
+
+def step_record(step: int, phase: int, names: Sequence[str], m: dict,
+                tokens_per_s: float) -> dict:
+  """A step, from the fetched metrics of the training step (train_step.py)."""
+  return {
+      "kind": "step", "step": step, "phase": phase, "loss": float(m["loss"]),
+      "loss_by_source": {n: (float(m["loss_sum_K"][k] / m["rows_K"][k])
+                             if m["rows_K"][k] else None) for k, n in enumerate(names)},
+      "grad_norm": float(m["grad_norm"]), "clipped": bool(m["clipped"]),
+      "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
+  }
+
+
 def missing_steps(records: list[dict], through_step: int) -> list[int]:
   """Steps in 1..through_step that have no step record."""
-  have = {r["step"] for r in records if r["kind"] == "step"}
+  have = {r["step"] for r in step_records(records)}
   return [s for s in range(1, through_step + 1) if s not in have]
 
 

@@ -1,4 +1,4 @@
-"""End-of-run report: loss and grad-norm curves, generated samples, their repetition.
+"""End-of-run report: summary.json, loss and grad-norm curves, samples and their repetition.
 
 The ANDREA documents' failure mode is repetition lock-in (one token comes to dominate
 the samples), so every sample is scored by:
@@ -9,6 +9,8 @@ the samples), so every sample is scored by:
 """
 
 import collections
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +19,66 @@ import matplotlib.ticker
 import numpy as np
 from flax import nnx
 
+import metrics
+from config import TrainConfig
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+REPETITION_SCORES = ("distinct_2", "repeat_4", "top_token_share")
 SOURCE_COLORS = {
     "repo-docs": "tab:blue", "gutenberg": "tab:green", "hermes3-general": "tab:orange"}
-# One prompt in the form of each source; samples cycle through them.
-SAMPLE_PROMPTS = (
-    "## Installation\n\n",
-    "The ",
-    "Question: What does `os.path.join` do?\nAnswer:",
-)
+
+
+def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokenizer,
+                 prompts: list[str], started: float, stopped_at: int | None) -> dict:
+  """Writes report.png, samples.txt and summary.json into the run directory, prints one
+  line, and returns the summary."""
+  steps = metrics.step_records(records)
+  summary = {
+      "config": cfg.config, "recipe": cfg.recipe, "steps": len(steps),
+      "planned_steps": cfg.steps, "stopped_by_time_limit": stopped_at is not None,
+      "initial_loss": steps[0]["loss"],
+      "final_loss": float(np.mean([r["loss"] for r in steps[-10:]])),
+      "clipped_steps": sum(r["clipped"] for r in steps),
+      "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps])),
+      # Step records lost with an earlier run's metrics (see MetricsLog); 0 when whole.
+      "missing_step_records": len(metrics.missing_steps(records, steps[-1]["step"])),
+  }
+  if cfg.plot:
+    png = os.path.join(cfg.out_dir, "report.png")
+    plot_run(records, f"{png}.tmp.png", max_norm=cfg.max_norm,
+             title=f"{cfg.config}, recipe {cfg.recipe}, seed {cfg.seed}")
+    os.replace(f"{png}.tmp.png", png)
+  if prompts:
+    summary["samples"] = samples(cfg, graphdef, params, tokenizer, prompts)
+    summary["repetition"] = mean_stats(summary["samples"])
+    metrics.write_atomic(os.path.join(cfg.out_dir, "samples.txt"), lambda f: f.writelines(
+        f"--- distinct_2 {s['distinct_2']:.2f}  repeat_4 {s['repeat_4']:.2f}  "
+        f"top_token_share {s['top_token_share']:.2f}\n{s['prompt']}{s['text']}\n\n"
+        for s in summary["samples"]))
+  summary["wall_s"] = time.perf_counter() - started
+  metrics.write_json_atomic(os.path.join(cfg.out_dir, "summary.json"), summary)
+  repetition = ", ".join(f"{k} {v:.2f}" for k, v in summary.get("repetition", {}).items())
+  print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
+        f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped; "
+        f"samples: {repetition or 'none'}; files in {cfg.out_dir}")
+  return summary
 
 
 # --- Samples ----------------------------------------------------------------------
+
+
+def samples(cfg: TrainConfig, graphdef, params, tokenizer, prompts: list[str]) -> list[dict]:
+  """One continuation of each prompt, with its repetition scores. A prompt keeps at most
+  half the context (its first tokens), so that there is room to continue it."""
+  prompt_ids = [tokenizer.encode(p).ids[:cfg.context_length // 2] for p in prompts]
+  outputs = generate(graphdef, params, prompt_ids, num_tokens=cfg.sample_tokens,
+                     context_length=cfg.context_length, temperature=cfg.sample_temperature,
+                     seed=cfg.seed)
+  return [{"prompt": tokenizer.decode(ids),
+           "text": tokenizer.decode(out, skip_special_tokens=False), **repetition_stats(out)}
+          for ids, out in zip(prompt_ids, outputs)]
 
 
 def generate(graphdef, params, prompts: list[list[int]], *, num_tokens: int,
@@ -70,7 +118,7 @@ def repetition_stats(tokens: list[int]) -> dict[str, float]:
   def ngrams(n):
     return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
-  bigrams, fourgrams = ngrams(2), ngrams(4)
+  bigrams, fourgrams = ngrams(2), ngrams(4)  # the keys are REPETITION_SCORES
   return {
       "distinct_2": len(set(bigrams)) / len(bigrams) if bigrams else 1.0,
       "repeat_4": 1 - len(set(fourgrams)) / len(fourgrams) if fourgrams else 0.0,
@@ -79,8 +127,9 @@ def repetition_stats(tokens: list[int]) -> dict[str, float]:
   }
 
 
-def mean_stats(stats: list[dict[str, float]]) -> dict[str, float]:
-  return {k: float(np.mean([s[k] for s in stats])) for k in stats[0]} if stats else {}
+def mean_stats(samples: list[dict]) -> dict[str, float]:
+  """The mean of each repetition score over the samples."""
+  return {k: float(np.mean([s[k] for s in samples])) for k in REPETITION_SCORES}
 
 
 # --- Curves -----------------------------------------------------------------------

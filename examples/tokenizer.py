@@ -13,6 +13,8 @@ import os
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import status
+
 END_OF_TEXT = "<|endoftext|>"
 _FORMAT_VERSION = "1"  # bump when the training recipe below changes
 
@@ -60,13 +62,17 @@ def load_tokenizer_and_streams(
   if os.path.exists(tokenizer_path):
     tokenizer = Tokenizer.from_file(tokenizer_path)
   else:
-    tokenizer = train_tokenizer(corpus, vocab_size)
+    megabytes = sum(len(doc) for docs in corpus.values() for doc in docs) / 2**20
+    with status.timed(f"training the BPE tokenizer (vocabulary {vocab_size}) on "
+                      f"{megabytes:.1f} MB of text"):
+      tokenizer = train_tokenizer(corpus, vocab_size)
     _atomic_write(tokenizer_path, lambda path: tokenizer.save(path))
   if os.path.exists(streams_path):
     with np.load(streams_path) as npz:
       streams = {name: npz[name] for name in corpus}
   else:
-    streams = {name: tokenize_docs(tokenizer, docs) for name, docs in corpus.items()}
+    with status.timed("tokenizing the sources"):
+      streams = {name: tokenize_docs(tokenizer, docs) for name, docs in corpus.items()}
     _atomic_write(streams_path, lambda path: np.savez(path, **streams))
   return tokenizer, streams, key
 

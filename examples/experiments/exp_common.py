@@ -1,0 +1,161 @@
+"""What the two experiment scripts share: training flags, runs, metrics arrays, report text.
+
+exp_fallback_vs_cuda.py and exp_v1_vs_v2.py both train the example (loop.train)
+several times with one setting changed, then write report.md, results.json and PNG plots
+into their --out-dir. This file holds the flags that pass through to every run, the run
+itself, and the small helpers that turn metrics records into arrays and tables.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import config  # noqa: E402
+import loop  # noqa: E402
+import metrics  # noqa: E402
+
+# Settings passed through to every training run of an experiment; None keeps the preset.
+TRAIN_FLAGS = {
+    "batch_size": int, "context_length": int, "peak_lr": float, "warmup_steps": int,
+    "vocab_size": int, "max_source_mb": float, "num_samples": int, "sample_tokens": int,
+    "dtype": str, "cache_dir": str, "time_limit_s": float,
+}
+# Switches passed through to every training run.
+TRAIN_SWITCHES = {"overwrite": "replace the earlier runs in --out-dir"}
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--seed", type=int, default=0,
+                      help="one seed for every run: same init, phases and batches")
+  for field, kind in TRAIN_FLAGS.items():
+    parser.add_argument(f"--{field.replace('_', '-')}", type=kind, default=None,
+                        help="passed to every run (default: the config's preset)")
+  parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH_OR_GLOB",
+                      help="as in train_gpt.py; repeatable")
+  for field, help_text in TRAIN_SWITCHES.items():
+    parser.add_argument(f"--{field}", action="store_true", help=help_text)
+  parser.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def split_list(text: str) -> list[str]:
+  return [item for item in text.split(",") if item]
+
+
+def base_config(args: argparse.Namespace, config_name: str, **settings) -> config.TrainConfig:
+  """The TrainConfig of one run: the pass-through flags, then this run's own settings."""
+  passed = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+  switches = {k: getattr(args, k) for k in TRAIN_SWITCHES}
+  return config.TrainConfig(
+      config=config_name, seed=args.seed, sources=tuple(args.source),
+      progress=args.progress, **{**passed, **switches, **settings})
+
+
+def run_training(cfg: config.TrainConfig, env: dict) -> list[dict]:
+  """Trains one run and notes what made it; its checkpoints are removed (no report needs them)."""
+  cfg = dataclasses.replace(cfg, checkpoint_every=cfg.steps or 10**9)
+  records = loop.train(cfg)
+  run_dir = config.resolve(cfg).out_dir
+  shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+  with open(os.path.join(run_dir, "environment.json"), "w") as f:
+    json.dump(env, f, indent=2)
+  return records
+
+
+def read_run(run_dir: str) -> dict | None:
+  """The records, settings, summary and environment a finished run left, or None."""
+  names = ("metrics.jsonl", "config.json", "summary.json", "environment.json")
+  paths = {name: os.path.join(run_dir, name) for name in names}
+  if not all(os.path.exists(p) for p in paths.values()):
+    return None
+  run = {"records": metrics.read_records(paths["metrics.jsonl"])}
+  for key, name in (("config", "config.json"), ("summary", "summary.json"),
+                    ("environment", "environment.json")):
+    with open(paths[name]) as f:
+      run[key] = json.load(f)
+  return run
+
+
+def column(records: list[dict], key: str) -> np.ndarray:
+  """One float per step record (NaN stays NaN; booleans become 0/1)."""
+  return np.array([float(r[key]) for r in metrics.step_records(records)], dtype=np.float64)
+
+
+def boundaries(records: list[dict]) -> list[int]:
+  """The first step of every phase after the first: where the source weights change."""
+  return [r["step"] for r in records if r["kind"] == "phase" and r["phase"] > 0]
+
+
+def smooth(values: np.ndarray, width: int) -> np.ndarray:
+  """Trailing moving average over finite values (NaN where a window has none)."""
+  finite = np.isfinite(values)
+  sums = np.cumsum(np.where(finite, values, 0.0))
+  counts = np.cumsum(finite)
+  lo = np.maximum(np.arange(len(values)) - width, -1)
+  window_sums = sums - np.where(lo >= 0, sums[np.maximum(lo, 0)], 0.0)
+  window_counts = counts - np.where(lo >= 0, counts[np.maximum(lo, 0)], 0)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(window_counts > 0, window_sums / window_counts, np.nan)
+
+
+def environment(script: str, argv: list[str] | None) -> dict:
+  """What made the results: the command, versions and the device."""
+  device = jax.devices()[0]
+  args = sys.argv[1:] if argv is None else argv
+  return {
+      "command": shlex.join(["python", f"examples/experiments/{script}", *args]),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "jax": jax.__version__, "platform": device.platform,
+      "device": getattr(device, "device_kind", str(device)), "python": platform.python_version(),
+  }
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def fmt(x, digits: int = 3) -> str:
+  """A number for a table: 3 significant digits, 'n/a' for None, 'nan' kept visible."""
+  if x is None:
+    return "n/a"
+  if isinstance(x, (bool, np.bool_)):
+    return "yes" if x else "no"
+  if isinstance(x, (int, np.integer)):
+    return str(int(x))
+  return f"{x:.{digits}g}"
+
+
+def run_cli(main) -> None:
+  """Runs an experiment's main; a bad flag, source or run directory is one error line."""
+  try:
+    main()
+  except loop.USER_ERRORS as e:
+    sys.exit(f"{os.path.basename(sys.argv[0])}: error: {e}")
+
+
+def write_outputs(out_dir: str, results: dict, markdown: str) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=2, default=_json_default)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(markdown)
+
+
+def _json_default(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  raise TypeError(f"not JSON serializable: {type(x)}")

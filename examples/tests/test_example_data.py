@@ -1,0 +1,254 @@
+"""The example's sources and tokenizer (corpus.py, default_corpus.py, tokenizer.py), on
+small temporary files."""
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+
+import numpy as np
+import pytest
+
+import corpus
+import default_corpus
+import tokenizer as tokenizer_lib
+
+SMALL_CORPUS = {
+    "repo-docs": ["# clipjax\n\n- global norm\n- per tensor norm\n- three kernels\n"] * 20,
+    "gutenberg": ["It was the best of times, it was the worst of times. " * 10] * 5,
+    "hermes3-general": [default_corpus.format_qa("What is 2 + 2?", "It is 4.")] * 20,
+}
+
+
+# --- --source flags and files -------------------------------------------------------
+
+
+def test_source_flags_parse():
+  assert corpus.parse_source_flags(["gutenberg=books/*.txt", "repo-docs=docs"]) == {
+      "gutenberg": "books/*.txt", "repo-docs": "docs"}
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("wikipedia=x.txt", "unknown source 'wikipedia'"),
+    ("gutenberg", "expected NAME=PATH_OR_GLOB"),
+    ("gutenberg=", "expected NAME=PATH_OR_GLOB"),
+])
+def test_bad_source_flags_are_named(flag, message):
+  with pytest.raises(corpus.SourceError, match=message):
+    corpus.parse_source_flags([flag])
+
+
+def test_a_source_given_twice_is_an_error():
+  with pytest.raises(corpus.SourceError, match="'gutenberg' is given twice"):
+    corpus.parse_source_flags(["gutenberg=a", "gutenberg=b"])
+
+
+def test_a_pattern_matching_nothing_names_the_source_and_pattern(tmp_path):
+  pattern = str(tmp_path / "missing" / "*.txt")
+  with pytest.raises(corpus.SourceError, match=r"source 'gutenberg': no file matches .*missing"):
+    corpus.load_corpus({"gutenberg": pattern}, 1 << 20)
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+@pytest.mark.parametrize("filename", ["empty.txt", "empty.jsonl"])
+def test_a_source_with_no_text_names_the_source_and_file(tmp_path, filename, content, capsys):
+  path = tmp_path / filename
+  path.write_text(content)
+  with pytest.raises(corpus.SourceError, match=f"source 'repo-docs': no usable text in "
+                     f"'.*{filename}'; skipped .*{filename} \\(no text\\)"):
+    corpus.load_corpus({"repo-docs": str(path)}, 1 << 20)
+  assert capsys.readouterr().out == (
+      f"warning: source 'repo-docs': skipping {path}: no text\n")
+
+
+def test_jsonl_question_answer_and_text_records(tmp_path):
+  path = tmp_path / "qa.jsonl"
+  path.write_text(json.dumps({"question": "Why clip?", "answer": "To stop spikes."}) + "\n\n"
+                  + json.dumps({"text": "Plain text."}) + "\n")
+  docs = list(corpus.read_source_files("hermes3-general", str(path)))
+  assert docs == ["Question: Why clip?\nAnswer: To stop spikes.", "Plain text."]
+
+
+@pytest.mark.parametrize("filename", ["qa.json", "qa.txt", "qa"])
+def test_jsonl_is_recognised_by_its_content_not_its_name(tmp_path, filename):
+  path = tmp_path / filename
+  path.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(3)) + "\n")
+  assert list(corpus.read_source_files("hermes3-general", str(path))) == [
+      "document 0", "document 1", "document 2"]
+
+
+def test_a_json_document_over_many_lines_is_plain_text(tmp_path):
+  path = tmp_path / "config.json"
+  path.write_text('{\n  "text": "not one record a line"\n}\n')
+  assert list(corpus.read_source_files("repo-docs", str(path))) == [path.read_text()]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"question": "q"}', "expected an object with 'question' and 'answer'"),
+    ("not json", "not valid JSON"),
+])
+def test_bad_jsonl_lines_are_named(tmp_path, line, message):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"text": "ok"}\n' + line + "\n")
+  with pytest.raises(corpus.SourceError, match=f"'hermes3-general': .*bad.jsonl:2: {message}"):
+    list(corpus.read_source_files("hermes3-general", str(path)))
+
+
+COMPRESSORS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESSORS))
+def test_compressed_text_and_jsonl_are_decompressed(tmp_path, suffix):
+  book = "Call me Ishmael. Some years ago, never mind how long precisely. " * 20
+  (tmp_path / f"a-book.txt{suffix}").write_bytes(COMPRESSORS[suffix](book.encode()))
+  qa = json.dumps({"question": "Why clip?", "answer": "To stop spikes."}) + "\n"
+  (tmp_path / f"b-qa.jsonl{suffix}").write_bytes(COMPRESSORS[suffix](qa.encode()))
+  assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == [
+      book, "Question: Why clip?\nAnswer: To stop spikes."]
+
+
+def test_a_file_that_does_not_decompress_is_skipped_and_named(tmp_path, capsys):
+  (tmp_path / "a.txt.gz").write_bytes(b"this was never gzipped")
+  (tmp_path / "b.txt").write_text("The text that is left.")
+  assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == [
+      "The text that is left."]
+  out = capsys.readouterr().out.splitlines()
+  assert len(out) == 1 and out[0].startswith(
+      f"warning: source 'gutenberg': skipping {tmp_path / 'a.txt.gz'}: does not decompress "
+      "as .gz")
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"PNG\x00\x01\x02 header and pixels", "binary (it holds NUL bytes)"),
+    (bytes(range(128, 256)) + b"some ASCII too", "binary (90% of its bytes are not UTF-8)"),
+])
+def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, data, why):
+  (tmp_path / "a.bin").write_bytes(data)
+  (tmp_path / "b.txt").write_text("Plain prose.")
+  assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == ["Plain prose."]
+  assert capsys.readouterr().out == (
+      f"warning: source 'gutenberg': skipping {tmp_path / 'a.bin'}: {why}\n")
+
+
+def test_a_few_invalid_bytes_do_not_make_a_file_binary(tmp_path):
+  text = "Latin-1 slipped in once: caf\xe9. " + "The rest is plain ASCII prose. " * 40
+  (tmp_path / "a.txt").write_bytes(text.encode("latin-1"))
+  assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == [
+      text.replace("\xe9", "\ufffd")]
+
+
+def test_a_source_of_only_binary_files_is_an_error_naming_them(tmp_path, capsys):
+  for name in ("a.bin", "b.bin"):
+    (tmp_path / name).write_bytes(b"\x00\x01\x02")
+  with pytest.raises(corpus.SourceError, match=r"source 'repo-docs': no usable text in .*; "
+                     r"skipped .*a.bin \(binary \(it holds NUL bytes\)\), .*b.bin"):
+    corpus.load_corpus({"repo-docs": str(tmp_path)}, 1 << 20)
+  assert capsys.readouterr().out.count("warning: source 'repo-docs': skipping") == 2
+
+
+def test_a_directory_or_glob_reads_files_in_sorted_order(tmp_path):
+  for name in ["b.txt", "a.txt", "sub/c.txt"]:
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(f"text of {name}")
+  docs = list(corpus.read_source_files("gutenberg", str(tmp_path)))
+  assert docs == ["text of a.txt", "text of b.txt", "text of sub/c.txt"]
+  assert list(corpus.read_source_files("gutenberg", str(tmp_path / "*.txt"))) == docs[:2]
+
+
+def test_user_files_replace_only_their_source(tmp_path):
+  (tmp_path / "book.txt").write_text("Call me Ishmael. " * 30)
+  texts = corpus.load_corpus({"gutenberg": str(tmp_path / "book.txt")}, 4096)
+  assert texts["gutenberg"] == ["Call me Ishmael. " * 30]
+  assert texts["repo-docs"] and texts["hermes3-general"]
+
+
+def test_the_byte_cap_cuts_the_last_document_at_a_whole_character(tmp_path):
+  (tmp_path / "a.txt").write_text("a" * 1000)
+  (tmp_path / "b.txt").write_text("é" * 1000)  # two bytes each
+  texts = corpus.load_corpus({"gutenberg": str(tmp_path)}, 1501)
+  assert texts["gutenberg"] == ["a" * 1000, "é" * 250]  # 500 of the 501 bytes left
+
+
+# --- Held-out text and prompts ------------------------------------------------------
+
+
+def test_the_last_share_of_a_source_is_held_out_at_a_word_boundary():
+  docs = ["first document " * 10, "second document " * 10, "third one " * 3]
+  train, held_out = corpus.split_held_out(docs, share=0.2)
+  assert "".join(train) + "".join(held_out) == "".join(docs)  # nothing lost or repeated
+  total = sum(len(d) for d in docs)
+  assert held_out[-1] == "third one " * 3  # whole documents first, from the end
+  assert int(0.2 * total) <= sum(len(d) for d in held_out) < int(0.2 * total) + len("document ")
+  assert held_out[0].startswith("document ") and train[-1].endswith(" ")
+
+
+def test_one_long_document_is_cut_in_two():
+  book = " ".join(f"word{i}" for i in range(1000))
+  train, held_out = corpus.split_held_out([book])
+  assert len(train) == len(held_out) == 1 and train[0] + held_out[0] == book
+  assert held_out[0].startswith("word")
+
+
+def test_prompts_take_turns_over_the_sources_from_their_held_out_text():
+  held_out = {"repo-docs": ["...cut mid-document", "## Install\n\npip install it\n" * 3],
+              "gutenberg": ["It was a dark and stormy night; the rain fell in torrents. " * 3],
+              "hermes3-general": ["Question: Why?\nAnswer: Because of spikes." * 2]}
+  prompts = corpus.held_out_prompts(held_out, 4)
+  assert [p[:12] for p in prompts[:3]] == ["## Install\n\n", "It was a dar", "Question: Wh"]
+  assert prompts[1] == "It was a dark and stormy night; the rain fell in torrents. It "
+  assert prompts[3] == "...cut "  # the fourth: repo-docs again; at most half a document
+  for prompt in prompts:
+    assert len(prompt) <= corpus.PROMPT_CHARS
+
+
+# --- The default corpus -------------------------------------------------------------
+
+
+def test_default_corpus_has_three_forms_and_is_deterministic():
+  texts = corpus.load_corpus({}, 200_000)
+  assert texts == corpus.load_corpus({}, 200_000)
+  assert set(texts) == set(corpus.SOURCE_NAMES)
+  for docs in texts.values():
+    assert sum(len(d) for d in docs) > 50_000
+  qa = texts["hermes3-general"]
+  assert all(d.startswith("Question: What ") and "\nAnswer: " in d for d in qa)
+  assert any(d.startswith("Question: What does `abc.abstractmethod` do?") for d in qa)
+
+
+# --- Tokenizer ----------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_text(tmp_path):
+  tokenizer, _, _ = tokenizer_lib.load_tokenizer_and_streams(SMALL_CORPUS, 300, str(tmp_path))
+  assert tokenizer.get_vocab_size() <= 300
+  for text in ["It was the best of times.", "- per tensor norm\n", "Ünïcödé ✓ 日本 \t\n"]:
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_streams_end_every_document_with_end_of_text(tmp_path):
+  tokenizer, streams, _ = tokenizer_lib.load_tokenizer_and_streams(
+      SMALL_CORPUS, 300, str(tmp_path))
+  eot = tokenizer.token_to_id(tokenizer_lib.END_OF_TEXT)
+  for name, docs in SMALL_CORPUS.items():
+    assert streams[name].dtype == np.int32
+    assert (streams[name] == eot).sum() == len(docs)
+    assert streams[name][-1] == eot
+    first_doc = streams[name][:np.argmax(streams[name] == eot)]
+    assert tokenizer.decode(first_doc.tolist()) == docs[0]
+
+
+def test_tokenizer_is_cached_by_a_hash_of_the_corpus(tmp_path):
+  tokenizer_lib.load_tokenizer_and_streams(SMALL_CORPUS, 300, str(tmp_path))
+  files = sorted(os.listdir(tmp_path))
+  assert len(files) == 2
+  mtimes = [os.path.getmtime(tmp_path / f) for f in files]
+  tokenizer_lib.load_tokenizer_and_streams(SMALL_CORPUS, 300, str(tmp_path))  # reused
+  assert [os.path.getmtime(tmp_path / f) for f in files] == mtimes
+  changed = {**SMALL_CORPUS, "gutenberg": ["A different book entirely. " * 20]}
+  tokenizer_lib.load_tokenizer_and_streams(changed, 300, str(tmp_path))
+  tokenizer_lib.load_tokenizer_and_streams(SMALL_CORPUS, 280, str(tmp_path))
+  assert len(os.listdir(tmp_path)) == 6  # a new key for new text and for a new size
+  assert (tokenizer_lib.corpus_key(SMALL_CORPUS, 300)
+          != tokenizer_lib.corpus_key(changed, 300)
+          != tokenizer_lib.corpus_key(changed, 280))
