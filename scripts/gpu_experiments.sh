@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The example's experiments on a GPU (examples/exp_*.py), with a wall-clock budget.
+# The example's experiments on a GPU (examples/experiments/exp_*.py), with a wall-clock budget.
 #
 #   scripts/gpu_experiments.sh v1v2-12m OUT_DIR   # andrea-12m v1 and v2, side by side
 #   scripts/gpu_experiments.sh v1v2-120m OUT_DIR  # andrea-120m v1, v2, v2-per-tensor
@@ -33,7 +33,7 @@ codes="$out/exit-codes-$what.txt"
 
 v1v2() {  # log name, then the arguments of exp_v1_vs_v2.py
   local name=$1; shift
-  $PY examples/exp_v1_vs_v2.py --out-dir "$out" --no-progress \
+  $PY examples/experiments/exp_v1_vs_v2.py --out-dir "$out" --no-progress \
     --time-limit-s "${EXPERIMENT_SECONDS:-420}" --cache-dir "$out/.cache-$name" \
     ${EXTRA_ARGS:-} "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $?" >> "$codes"
@@ -56,15 +56,15 @@ case "$what" in
       --steps "$s" --warmup-steps "$w" &
     wait ;;
   v1v2-report)
-    $PY examples/exp_v1_vs_v2.py --report-only --out-dir "$out" > "$out/report.log" 2>&1
+    $PY examples/experiments/exp_v1_vs_v2.py --report-only --out-dir "$out" > "$out/report.log" 2>&1
     echo "report: exit $?" >> "$codes" ;;
   equivalence)
-    $PY examples/exp_fallback_vs_cuda.py --configs andrea-12m --steps "${EQUIV_STEPS:-1000}" \
+    $PY examples/experiments/exp_fallback_vs_cuda.py --configs andrea-12m --steps "${EQUIV_STEPS:-1000}" \
       --clip-impls "${EQUIV_IMPLS:-jax,ffi,jax}" --time-configs '' --out-dir "$out" \
       --no-progress ${EXTRA_ARGS:-} > "$out/equivalence.log" 2>&1
     echo "equivalence: exit $?" >> "$codes" ;;
   timing)
-    $PY examples/exp_fallback_vs_cuda.py --configs '' --time-configs andrea-12m,andrea-120m \
+    $PY examples/experiments/exp_fallback_vs_cuda.py --configs '' --time-configs andrea-12m,andrea-120m \
       --out-dir "$out" --no-progress ${EXTRA_ARGS:-} > "$out/timing.log" 2>&1
     echo "timing: exit $?" >> "$codes" ;;
   *) echo "$usage" >&2; exit 2 ;;
