@@ -3,8 +3,9 @@
 Each case runs in a subprocess of its own, so that its peak resident memory is its own:
 it builds a tree of N float32 leaves of 1 to 2,000 elements (seeded), then lowers and
 compiles `jax.jit(tx.update)` for andrea_clip (the custom call, and pure JAX) and for
-optax.clip_by_global_norm. A case that runs past --timeout-s is reported as such. It prints
-one table and writes JSON.
+optax.clip_by_global_norm; and, as the floor that any clip of N leaves stands on, a jitted
+function that takes the same leaves (donated) and hands them back unchanged. A case that
+runs past --timeout-s is reported as such. It prints one table and writes JSON.
 
     python benchmarks/bench_compile.py --leaves 1000,5000,20000
     python benchmarks/bench_compile.py --quick     # 50 leaves: a few seconds on a CPU
@@ -18,8 +19,9 @@ import resource
 import subprocess
 import sys
 import time
+import warnings
 
-IMPLS = ("ffi", "jax", "optax")
+IMPLS = ("ffi", "jax", "optax", "floor")
 
 
 def compile_once(leaves: int, impl: str) -> dict:
@@ -33,10 +35,15 @@ def compile_once(leaves: int, impl: str) -> dict:
 
   sizes = np.random.default_rng(0).integers(1, 2000, leaves)
   tree = [jnp.ones((int(s),), jnp.float32) for s in sizes]
-  tx = optax.clip_by_global_norm(1.0) if impl == "optax" else clipjax.andrea_clip(1.0, impl=impl)
-  state = tx.init(tree)
+  if impl == "floor":
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    fn, args = jax.jit(lambda t: t, donate_argnums=0), (tree,)
+  else:
+    tx = (optax.clip_by_global_norm(1.0) if impl == "optax"
+          else clipjax.andrea_clip(1.0, impl=impl))
+    fn, args = jax.jit(tx.update), (tree, tx.init(tree))
   start = time.perf_counter()
-  jax.jit(tx.update).lower(tree, state).compile()
+  fn.lower(*args).compile()
   seconds = time.perf_counter() - start
   peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
   return {"leaves": leaves, "impl": impl, "compile_s": seconds, "peak_rss_gb": peak_gb,
@@ -87,7 +94,8 @@ def main(argv=None):
        ("peak RSS GB", 12, lambda r: (r["peak_rss_gb"], 2)),
        ("status", -20, lambda r: r["status"])],
       rows, "impl: ffi andrea_clip (the custom call), jax andrea_clip(impl=\"jax\"), optax "
-            "optax.clip_by_global_norm; float32 leaves of 1-2,000 elements."))
+            "optax.clip_by_global_norm, floor the leaves handed back unchanged (donated); "
+            "float32 leaves of 1-2,000 elements; compile s: lowering and compiling."))
   results = {"meta": tables.run_metadata(args), "rows": rows}
   out = args.out or tables.default_out_path("bench_compile", results["meta"])
   tables.save_json(results, out, complete=True)

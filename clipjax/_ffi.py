@@ -22,6 +22,10 @@ ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in cuda/andre
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MODES = {"global": 0, "per_tensor": 1}
 NONFINITE_POLICIES = {"propagate": 0, "zero": 1}
+# Leaves per custom call. XLA's compile time grows faster than linearly in the number of
+# results a call aliases to its operands (at 4,000 leaves, 79 s on a CPU; 2.3 s as calls
+# of 250), so larger trees are clipped by several calls (see `_partition._whole_call`).
+MAX_LEAVES_PER_CALL = 256
 
 _native: dict[str, object] = {}  # "cpu"/"cuda" -> the loaded native module
 _load_errors: dict[str, str] = {}
@@ -112,9 +116,14 @@ def andrea_scale(scale, shift, keep, zero_fill, leaves):
   actions = jnp.where(jnp.broadcast_to(zero_fill, shape), ACTIONS["zero_fill"],
                       jnp.where(jnp.broadcast_to(keep, shape), ACTIONS["keep"],
                                 ACTIONS["multiply"])).astype(jnp.int32)
-  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  out_types.append(jax.ShapeDtypeStruct((_layout().scale_workspace_bytes(n),), jnp.uint8))
-  call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
-                          input_output_aliases={i + 2: i for i in range(n)},
-                          vmap_method="sequential")
-  return list(call(factors, actions, *leaves)[:n])
+  out = []
+  for first in range(0, n, MAX_LEAVES_PER_CALL):
+    part = leaves[first:first + MAX_LEAVES_PER_CALL]
+    m = len(part)
+    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in part]
+    out_types.append(jax.ShapeDtypeStruct((_layout().scale_workspace_bytes(m),), jnp.uint8))
+    call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
+                            input_output_aliases={i + 2: i for i in range(m)},
+                            vmap_method="sequential")
+    out += call(factors[first:first + m], actions[first:first + m], *part)[:m]
+  return out

@@ -37,9 +37,16 @@ def flat_outputs(out, norms, flags) -> tuple:
 
 
 def _whole_call(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves):
+  """The clip of whole leaves: one custom call, or for a tree of more than
+  `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
+  with the decision between them (`_shards.clip_shards` with no mesh axes)."""
   del ranks  # static: only the sharding rule reads it
-  return flat_outputs(*_ffi.andrea_clip(max_norm, list(leaves), mode=mode,
-                                        on_nonfinite=on_nonfinite, scale_leaves=scale_leaves))
+  leaves = list(leaves)
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
+  if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
+    return flat_outputs(*_ffi.andrea_clip(max_norm, leaves, **kwargs))
+  return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
+                                           **kwargs))
 
 
 def _sharding_rule(mode, on_nonfinite, scale_leaves, ranks, mesh, operand_types, result_types):

@@ -84,12 +84,15 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   """
   norm_inputs = shards if norm_inputs is None else norm_inputs
   clip_fn = _ffi.andrea_clip if impl == "ffi" else _jax_impl.andrea_clip
-  groups: dict[frozenset, list[int]] = {}
+  by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
-    groups.setdefault(frozenset(axes), []).append(i)
+    by_axes.setdefault(frozenset(axes), []).append(i)
+  step = _ffi.MAX_LEAVES_PER_CALL
+  groups = [members[k:k + step] for members in by_axes.values()
+            for k in range(0, len(members), step)]
   group_roots, group_exps = [], []
   leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
-  for members in groups.values():
+  for members in groups:
     # norms = [norm of this device's shards in the group, then one per leaf].
     _, norms, _ = clip_fn(max_norm, [norm_inputs[i] for i in members], mode=mode,
                           on_nonfinite="propagate", scale_leaves=False)
