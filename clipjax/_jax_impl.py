@@ -78,7 +78,7 @@ def _real_parts(x, dtype):
 
 
 def leaf_sums(x, dtype=_F32):
-  """(mid, big, small): the leaf's three sums of squares, in `dtype`.
+  """The leaf's three sums of squares (mid, big, small) as one array of 3, in `dtype`.
 
   One reduction: the leaf is broadcast against the three factors along a new leading
   axis and reduced over its own axes, so XLA reads it once (and partitions it like any
@@ -92,7 +92,7 @@ def leaf_sums(x, dtype=_F32):
   for part in _real_parts(x, dtype):
     scaled = part[None] * factors.reshape((3,) + (1,) * part.ndim)
     sums = sums + jnp.sum(jnp.square(scaled), axis=tuple(range(1, part.ndim + 1)))
-  return sums[0], sums[1], sums[2]
+  return sums
 
 
 def pick_norm(mid, big, small):
@@ -113,10 +113,11 @@ def pick_norm(mid, big, small):
 def norms(leaves):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc."""
   dtype = norm_dtype(leaves)
-  # The barrier keeps each leaf's reductions a fusion of their own: stacked at once, XLA:GPU
-  # may fuse them into the stack, where one thread reduces a whole leaf.
-  sums = lax.optimization_barrier([leaf_sums(x, dtype) for x in leaves])
-  per_leaf = [jnp.stack([s[j] for s in sums]) for j in range(3)]
+  # The barrier keeps each leaf's reduction a fusion of its own, and whole: stacked at
+  # once, XLA:GPU may fuse the reductions into the stack, where one thread reduces a whole
+  # leaf; sliced before it, into a kernel or more per sum.
+  sums = jnp.stack(lax.optimization_barrier([leaf_sums(x, dtype) for x in leaves]))
+  per_leaf = [sums[:, j] for j in range(3)]
   # The totals add the leaves' sums in ascending order: a little more accurate, and a sort
   # is not an op that XLA:CPU copies into every consumer. A plain sum becomes a chain of n
   # scalar adds that it copies into the fusion scaling each leaf: O(n^2) compile time.

@@ -58,7 +58,8 @@ def step_fn(tx, layout, params):
       jax.eval_shape(tx.init, params)))(params)
 
   def step(params, opt_state, grads, loss_scale):
-    grads = jax.lax.optimization_barrier(jax.tree.map(lambda g: g * loss_scale, grads))
+    grads = jax.lax.optimization_barrier(
+        jax.tree.map(lambda g: (g * loss_scale).astype(g.dtype), grads))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
