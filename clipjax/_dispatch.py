@@ -79,17 +79,17 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_leaves):
   """The clip of `leaves` by `impl`: `(out_leaves or None, norms f32[n + 1], flags int32[2])`."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
   if impl == "jax":
-    return _jax_impl.andrea_clip(max_norm, leaves, **kwargs)
+    return _jax_impl.clip_leaves(max_norm, leaves, **kwargs)
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, **kwargs)
   if not (_ffi.has_handler("cuda") and ffi_supports(leaves)):
-    return _jax_impl.andrea_clip(max_norm, leaves, **kwargs)
+    return _jax_impl.clip_leaves(max_norm, leaves, **kwargs)
 
   def branch(fn):
     return lambda max_norm, *leaves: _partition.flat_outputs(
         *fn(max_norm, list(leaves), **kwargs))
 
   outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(_partition.partitioned_clip),
-                                    default=branch(_jax_impl.andrea_clip))
+                                    default=branch(_jax_impl.clip_leaves))
   out = list(outs[:-2]) if scale_leaves else None
   return out, outs[-2], outs[-1]

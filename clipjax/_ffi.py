@@ -2,10 +2,10 @@
 
 Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 -> handlers `AndreaClipCpu`/`AndreaClipCuda` -> XLA target
-`"clipjax_andrea_clip"` -> `clipjax._ffi.andrea_clip`; and the scale stage alone
+`"clipjax_andrea_clip"` -> `clipjax._ffi.clip_call`; and the scale stage alone
 (the sharded clip, whose decision follows an all-reduce): `k_scale_table` + `k_grad_scale`
 -> `AndreaScaleCpu`/`AndreaScaleCuda` -> `"clipjax_andrea_scale"` ->
-`clipjax._ffi.andrea_scale`.
+`clipjax._ffi.scale_call`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clipjax import _options
+
 TARGET = "clipjax_andrea_clip"
 SCALE_TARGET = "clipjax_andrea_scale"
 ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in cuda/andrea_clip_math.h
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MODES = {"global": 0, "per_tensor": 1}
-NONFINITE_POLICIES = {"propagate": 0, "zero": 1}
 # Leaves per custom call. XLA's compile time grows faster than linearly in the number of
 # results a call aliases to its operands (at 4,000 leaves, 79 s on a CPU; 2.3 s as calls
 # of 250), so larger trees are clipped by several calls (see `_partition._whole_call`).
@@ -73,7 +73,7 @@ def num_chunks(sizes) -> int:
   return sum(max(1, -(-int(n) // chunk)) for n in sizes)
 
 
-def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
   """Runs the three stages on `leaves` in one custom call.
 
   Returns `(out_leaves, norms, flags)`: `out_leaves` (None when
@@ -94,13 +94,14 @@ def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
                           vmap_method="sequential")
   outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *leaves,
-              mode=np.int64(MODES[mode]), on_nonfinite=np.int64(NONFINITE_POLICIES[on_nonfinite]))
+              mode=np.int64(_options.MODES.index(mode)),
+              on_nonfinite=np.int64(_options.NONFINITE_POLICIES.index(on_nonfinite)))
   if scale_leaves:
     return list(outs[:n]), outs[n], outs[n + 1]
   return None, outs[0], outs[1]
 
 
-def andrea_scale(scale, shift, keep, zero_fill, leaves):
+def scale_call(scale, shift, keep, zero_fill, leaves):
   """The scale stage alone, on a decision made elsewhere, in one custom call.
 
   Per leaf i (each argument a scalar, or one value per leaf): zeros where zero_fill[i],

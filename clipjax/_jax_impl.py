@@ -1,7 +1,7 @@
 """Pure-JAX twin of the custom call (the path CPUs and TPUs take), and the clip
 decision that every path shares.
 
-Same contract as `clipjax._ffi.andrea_clip`: returns `(out_leaves, norms, flags)`.
+Same contract as `clipjax._ffi.clip_call`: returns `(out_leaves, norms, flags)`.
 
 Only per-leaf reductions and elementwise ops touch the leaves, so XLA's SPMD
 partitioner runs this on sharded gradients as it runs optax's clip: each device
@@ -51,7 +51,7 @@ def _mid_sumsq_min(dtype):
   return 2.0**-(jnp.finfo(dtype).maxexp // 2 - 4)
 
 
-def _pow2(k, dtype=_F32):
+def pow2(k, dtype=_F32):
   """2.0**k in `dtype` (float32 or float64) for integer k, built from its bits; 0 below
   the smallest normal."""
   fi = jnp.finfo(dtype)
@@ -66,7 +66,7 @@ def _unscale(v, e):
   may not be a float); NaN and inf are kept as they are (inf * 2**-200 is inf, not
   inf * 0)."""
   real = jnp.finfo(v.dtype).dtype  # of a complex v, its parts' dtype
-  return jnp.where(jnp.isfinite(v), v * _pow2(e // 2, real) * _pow2(e - e // 2, real), v)
+  return jnp.where(jnp.isfinite(v), v * pow2(e // 2, real) * pow2(e - e // 2, real), v)
 
 
 def _real_parts(x, dtype):
@@ -200,7 +200,7 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
   return out, all_norms, flags
 
 
-def andrea_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
   """The clip of `leaves` in pure JAX; the custom call's contract (norms in float64 for
   a tree with float64 leaves)."""
   max_norm = jnp.asarray(max_norm, norm_dtype(leaves)).reshape(())

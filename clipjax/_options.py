@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLS = ("auto", "jax", "ffi")
+# The custom call's `mode` and `on_nonfinite` attributes are these positions
+# (cuda/andrea_clip_math.h: ClipMode, NonFinitePolicy).
 MODES = ("global", "per_tensor")
 NONFINITE_POLICIES = ("propagate", "zero")
 

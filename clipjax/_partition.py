@@ -1,7 +1,7 @@
 """The custom call made partitionable: under `jax.jit` on sharded leaves, XLA's SPMD
 partitioner (Shardy or GSPMD) runs it on each device's shards instead of gathering them.
 
-`partitioned_clip` wraps the whole clip (`_ffi.andrea_clip`) in
+`partitioned_clip` wraps the whole clip (`_ffi.clip_call`) in
 `jax.experimental.custom_partitioning`:
 
 - the sharding rule gives every dimension of every leaf its own factor, passed through
@@ -44,7 +44,7 @@ def _whole_call(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves):
   leaves = list(leaves)
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
   if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
-    return flat_outputs(*_ffi.andrea_clip(max_norm, leaves, **kwargs))
+    return flat_outputs(*_ffi.clip_call(max_norm, leaves, **kwargs))
   return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
                                            **kwargs))
 
@@ -147,7 +147,7 @@ def _batchable(mode, on_nonfinite, scale_leaves, ranks):
 
 
 def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
-  """`_ffi.andrea_clip`, partitioned per shard under jit (same contract)."""
+  """`_ffi.clip_call`, partitioned per shard under jit (same contract)."""
   ranks = tuple(x.ndim for x in leaves)
   outs = _batchable(mode, on_nonfinite, scale_leaves, ranks)(max_norm, *leaves)
   if scale_leaves:

@@ -61,7 +61,7 @@ def _norm_of_norms(roots, exps):
   """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
   top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
   top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
-  aligned = roots * _jax_impl._pow2(exps - top, roots.dtype)
+  aligned = roots * _jax_impl.pow2(exps - top, roots.dtype)
   return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 
@@ -83,7 +83,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     all but the shards are the same on every device.
   """
   norm_inputs = shards if norm_inputs is None else norm_inputs
-  clip_fn = _ffi.andrea_clip if impl == "ffi" else _jax_impl.andrea_clip
+  clip_fn = _ffi.clip_call if impl == "ffi" else _jax_impl.clip_leaves
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
@@ -104,7 +104,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
   # One custom call scales every shard (k_grad_scale), where XLA would run one fusion
   # per leaf.
-  scale_fn = _ffi.andrea_scale if impl == "ffi" else None
+  scale_fn = _ffi.scale_call if impl == "ffi" else None
   return _jax_impl.decide_and_scale(max_norm, shards, root, exp, jnp.stack(leaf_roots),
                                     jnp.stack(leaf_exps), mode=mode, on_nonfinite=on_nonfinite,
                                     scale_leaves=scale_leaves, scale_fn=scale_fn)

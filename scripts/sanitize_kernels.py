@@ -89,7 +89,7 @@ def check_scale(name, leaves):
   n = len(leaves)
   scale = np.linspace(0.25, 0.75, n).astype(F32)
   keep, zero = np.arange(n) % 3 == 0, np.arange(n) % 3 == 2
-  run = jax.jit(lambda ls: _ffi.andrea_scale(scale, 0, keep, zero, ls), donate_argnums=0)
+  run = jax.jit(lambda ls: _ffi.scale_call(scale, 0, keep, zero, ls), donate_argnums=0)
   got = run([jax.device_put(x) for x in leaves])
   errors = []
   for i, (x, y) in enumerate(zip(leaves, got)):

@@ -101,8 +101,17 @@ def test_bench_compile_quick(tmp_path):
   results, stdout = run_quick("bench_compile.py", tmp_path)
   assert "COMPILE TIME" in stdout
   assert [(r["leaves"], r["impl"], r["status"]) for r in results["rows"]] == [
-      (50, "ffi", "ok"), (50, "jax", "ok"), (50, "optax", "ok")]
+      (50, "ffi", "ok"), (50, "jax", "ok"), (50, "optax", "ok"), (50, "floor", "ok")]
   assert all(r["compile_s"] > 0 and r["peak_rss_gb"] > 0 for r in results["rows"])
+
+
+def test_bench_pure_jax_quick(tmp_path):
+  results, stdout = run_quick("bench_pure_jax.py", tmp_path)
+  assert "PURE JAX AGAINST OPTAX" in stdout
+  rows = results["rows"]
+  assert [r["what"] for r in rows] == ["pure JAX norm", "optax norm", "pure JAX clip",
+                                       "optax clip"]
+  assert all(r["wall_us"] > 0 and r["device_us"] is None for r in rows)  # a CPU: no trace
 
 
 def test_busy_seconds_is_the_union_of_stream_activity():

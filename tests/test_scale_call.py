@@ -55,7 +55,7 @@ def test_matches_the_pure_jax_scale_bit_for_bit(case):
       "keep_all": (F32(1), 0, True, False),
       "zero_fill": (F32(0.37), 0, False, True),
   }[case]
-  got = jax.jit(_ffi.andrea_scale)(scale, shift, keep, zero, leaves)
+  got = jax.jit(_ffi.scale_call)(scale, shift, keep, zero, leaves)
   want = _reference(leaves, scale, shift, keep, zero)
   for i, (g, w) in enumerate(zip(got, want)):
     assert g.dtype == w.dtype and g.shape == w.shape
@@ -72,7 +72,7 @@ def test_a_factor_below_float32s_range_is_applied_in_float64(shift):
   rng = np.random.default_rng(1)
   leaves = [jnp.asarray(rng.uniform(1, 2, n) * 2.0**rng.integers(120, 127, n), F32)
             for n in (5, 40_000)]
-  got = jax.jit(_ffi.andrea_scale)(F32(1.25), shift, False, False, leaves)
+  got = jax.jit(_ffi.scale_call)(F32(1.25), shift, False, False, leaves)
   for g, x in zip(got, leaves):
     want = (np.asarray(x, np.float64) * (1.25 * 2.0**shift)).astype(np.float32)
     g = np.asarray(g)
@@ -87,7 +87,7 @@ def test_donated_leaves_are_scaled_in_place():
   leaves = _leaves()
   expected = _reference(leaves, F32(0.5), 0, False, False)
   copies = [jnp.array(x) for x in leaves]
-  fn = jax.jit(lambda ls: _ffi.andrea_scale(F32(0.5), 0, False, False, ls),
+  fn = jax.jit(lambda ls: _ffi.scale_call(F32(0.5), 0, False, False, ls),
                donate_argnums=0)
   hlo = fn.lower(copies).compile().as_text()
   assert hlo.count('custom_call_target="clipjax_andrea_scale"') == 1
@@ -98,11 +98,11 @@ def test_donated_leaves_are_scaled_in_place():
 
 def test_nan_and_inf_pass_through_a_multiply_and_vanish_in_a_zero_fill():
   x = jnp.asarray([1.0, np.nan, np.inf, -np.inf], F32)
-  scaled = _ffi.andrea_scale(F32(0.5), 0, False, False, [x])[0]
+  scaled = _ffi.scale_call(F32(0.5), 0, False, False, [x])[0]
   np.testing.assert_array_equal(np.asarray(scaled), [0.5, np.nan, np.inf, -np.inf])
-  zeroed = _ffi.andrea_scale(F32(0.5), 0, False, True, [x])[0]
+  zeroed = _ffi.scale_call(F32(0.5), 0, False, True, [x])[0]
   np.testing.assert_array_equal(np.asarray(zeroed), np.zeros(4, np.float32))
 
 
 def test_no_leaves():
-  assert _ffi.andrea_scale(F32(0.5), 0, False, False, []) == []
+  assert _ffi.scale_call(F32(0.5), 0, False, False, []) == []
