@@ -2,7 +2,7 @@
 
 Two axes, as in JAX's sharded-training examples and nanodo:
 
-  data  batches are split over it (each row of a batch on one device of the axis);
+  data  batches are split over it (and within it over fsdp: every device has its rows);
   fsdp  parameters and optimizer state are split over it: each matrix on its largest
         dimension that the axis size divides (else the next largest); vectors, scalars
         and matrices below MIN_SHARDED_SIZE elements are replicated.
@@ -70,8 +70,9 @@ def state_shardings(mesh: Mesh, tree):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch rows split over the data axis (tokens_BxL1 and source_B alike)."""
-  return NamedSharding(mesh, P("data"))
+  """Batch rows split over every device: the data axis, and within it the fsdp axis (as
+  in FSDP: each device computes on its own rows and gathers the parameters it needs)."""
+  return NamedSharding(mesh, P(AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
