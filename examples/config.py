@@ -161,8 +161,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
                  help="computation dtype; parameters stay float32 (default: %(default)s)")
   p.add_argument("--mesh", metavar="data=N,fsdp=M",
-                 help="device mesh: batches split over data, parameters and optimizer "
-                      "state over fsdp (default: every visible device on data)")
+                 help="device mesh: batches split over data (and fsdp), parameters and "
+                      "optimizer state over fsdp (default: every visible device on data)")
   p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                  help="BPE vocabulary (default: %(default)s)")
   p.add_argument("--seed", type=int, default=d.seed,

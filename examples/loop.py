@@ -173,11 +173,11 @@ def load_data(cfg: TrainConfig) -> Data:
 
 
 def make_mesh(cfg: TrainConfig):
-  """The --mesh of the visible devices; the global batch must split over its data axis."""
+  """The --mesh of the visible devices; the global batch must split over all of them."""
   mesh = sharding.make_mesh(cfg.mesh)
-  if cfg.batch_size % mesh.shape["data"]:
-    raise ConfigError(f"--batch-size {cfg.batch_size} does not split over the "
-                      f"{mesh.shape['data']} devices of the mesh's data axis (--mesh)")
+  if cfg.batch_size % mesh.size:
+    raise ConfigError(f"--batch-size {cfg.batch_size} does not split over the {mesh.size} "
+                      f"devices of the mesh ({sharding.describe(mesh)})")
   return mesh
 
 

@@ -12,7 +12,7 @@ so there clipjax.global_norm computes the norm), the learning rate, and per sour
 summed loss and the row count, for the bandit.
 
 On a mesh (sharding.py) the step is jitted with the shardings of its inputs and outputs:
-the batch split over the data axis, parameters and optimizer state over the fsdp axis,
+the batch split over every device, parameters and optimizer state over the fsdp axis,
 the metrics replicated. The gradients are constrained to the parameters' shardings, so
 XLA reduce-scatters them and the clip and AdamW run on each device's shard; the clip is
 the plain andrea_clip, which needs no mesh of its own.
