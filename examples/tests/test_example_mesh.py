@@ -1,16 +1,16 @@
 """--mesh: the example on 1, 2 and 8 CPU devices computes the same losses.
 
-This process (one CPU device) checks the mesh flag and the leaf specs, runs the tiny
-reference on one device, then runs this file again in subprocesses on 8 and on 2 forced
-CPU devices (conftest.run_file_on_cpu_devices), which
+This process checks the mesh flag and the leaf specs, then runs this file again in
+subprocesses on forced CPU devices (conftest.run_file_on_cpu_devices), in this order:
 
+  on 1: train the tiny reference;
   on 8: train with every device on the data axis, and on data=2,fsdp=4 (stopped after
         step STOP, saved); check the compiled step's all-gathers;
   on 2: train with every device on the data axis; resume the 8-device run on
         data=1,fsdp=2;
+  on 1: resume the 8-device run.
 
-and lastly resumes the 8-device run here, on one device. Every run's losses equal the
-one-device reference's to float32 reduction-order tolerance.
+Every run's losses equal the reference's to float32 reduction-order tolerance.
 """
 
 import json
@@ -37,12 +37,14 @@ STEPS, STOP = 50, 25
 # rounding differences up to 0.2% by step 30; at 1e-3 they stay below 1e-6.
 RTOL = 1e-5
 SHARED_ENV = "CLIPJAX_EXAMPLE_MESH_DIR"  # the reference losses and the 8-device run
+STAGE_ENV = "CLIPJAX_EXAMPLE_MESH_STAGE"  # which one-device run: reference or resume
 
-in_parent = pytest.mark.skipif(devices_here() is not None, reason="the one-device process")
+in_parent = pytest.mark.skipif(devices_here() is not None, reason="runs in the parent process")
 
 
-def on(count):
-  return pytest.mark.skipif(devices_here() != count, reason=f"runs on {count} CPU devices")
+def on(count, stage=None):
+  here = devices_here() == count and (stage is None or os.environ.get(STAGE_ENV) == stage)
+  return pytest.mark.skipif(not here, reason=f"runs on {count} CPU devices {stage or ''}")
 
 
 def _cfg(tiny, out_dir, **overrides):
@@ -99,17 +101,20 @@ def test_leaf_spec():
 @in_parent
 def test_mesh_flag_errors(tiny, tmp_path):
   with pytest.raises(sharding.MeshError, match="visible device"):
-    loop.train(_cfg(tiny, tmp_path, mesh="data=2"))
+    loop.train(_cfg(tiny, tmp_path, mesh=f"data={jax.device_count() + 1}"))
   assert config.parse_args(["--mesh", "data=1,fsdp=1"])[1].mesh == "data=1,fsdp=1"
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory, tiny, cache_dir):
-  """The reference losses (one device), in a directory the subprocesses share."""
+def shared(tmp_path_factory, cache_dir):
+  """The directory the subprocesses share, and the tokenizer cache."""
   directory = tmp_path_factory.mktemp("mesh")
-  losses = _losses(loop.train(_cfg(tiny, directory / "reference")))
-  (directory / "reference.json").write_text(json.dumps(losses))
   return {SHARED_ENV: str(directory), "CLIPJAX_EXAMPLE_CACHE": cache_dir}
+
+
+@in_parent
+def test_reference_on_1_cpu_device(shared):
+  run_file_on_cpu_devices(__file__, 1, {**shared, STAGE_ENV: "reference"})
 
 
 @in_parent
@@ -123,10 +128,8 @@ def test_on_2_cpu_devices(shared):
 
 
 @in_parent
-def test_resume_saved_on_8_here(shared, tiny, tmp_path, monkeypatch):
-  monkeypatch.setenv(SHARED_ENV, shared[SHARED_ENV])
-  reference = _reference()
-  np.testing.assert_allclose(_resume_copy(tiny, tmp_path / "run"), reference, rtol=RTOL)
+def test_resume_on_1_cpu_device(shared):
+  run_file_on_cpu_devices(__file__, 1, {**shared, STAGE_ENV: "resume"})
 
 
 # --- In the subprocesses ----------------------------------------------------------
@@ -137,6 +140,18 @@ def tiny_here(tiny):
   """tiny with the parent's tokenizer cache (each corpus tokenized once)."""
   cache = os.environ.get("CLIPJAX_EXAMPLE_CACHE")
   return lambda out_dir, **kw: tiny(out_dir, **({"cache_dir": cache} if cache else {}), **kw)
+
+
+@on(1, "reference")
+def test_1_device_reference(tiny_here):
+  losses = _losses(loop.train(_cfg(tiny_here, _shared() / "reference")))
+  (_shared() / "reference.json").write_text(json.dumps(losses))
+
+
+@on(1, "resume")
+def test_1_device_resumes_the_8_device_run(tiny_here, tmp_path):
+  np.testing.assert_allclose(_resume_copy(tiny_here, tmp_path / "run"), _reference(),
+                             rtol=RTOL)
 
 
 @on(8)
