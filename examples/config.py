@@ -36,6 +36,9 @@ class TrainConfig:
   clip_impl: str = "auto"
   clip_mode: str = "global"
   dtype: str = "float32"
+  # "data=N,fsdp=M" (sharding.py); None: every visible device on the data axis. Not part
+  # of the run's identity: a run resumes on another mesh with the same losses.
+  mesh: str | None = None
   vocab_size: int = model_lib.ANDREA_VOCAB_SIZE
   seed: int = 0
   sources: tuple[str, ...] = ()  # "NAME=PATH_OR_GLOB"; unnamed sources use the default
@@ -157,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help="(default: %(default)s)")
   p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
                  help="computation dtype; parameters stay float32 (default: %(default)s)")
+  p.add_argument("--mesh", metavar="data=N,fsdp=M",
+                 help="device mesh: batches split over data (and fsdp), parameters and "
+                      "optimizer state over fsdp (default: every visible device on data)")
   p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                  help="BPE vocabulary (default: %(default)s)")
   p.add_argument("--seed", type=int, default=d.seed,

@@ -5,7 +5,8 @@
   open_run_dir   refuses a directory that holds an earlier run, unless --resume or
                  --overwrite
   load_data      the sources (held-out text split off), the tokenizer, the token streams
-  init_model     the GPT's graph and initial parameters
+  make_mesh      the device mesh (--mesh) and the batch sharding
+  init_model     the GPT's graph and initial parameters, sharded on the mesh
   restore        on --resume, the latest usable checkpoint
   run_steps      phases and the bandit, the jitted step, the metrics log, checkpoints
   report         summary.json, report.png and samples.txt, once the last step is done
@@ -35,6 +36,7 @@ import metrics
 import model as model_lib
 import pipeline
 import report
+import sharding
 import status
 import tokenizer as tokenizer_lib
 import train_step as train_step_lib
@@ -44,7 +46,8 @@ from config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",
              "checkpoints", "checkpoints-unusable")
 # Errors in what the user gave: a flag, a source, the run directory. One line, no traceback.
-USER_ERRORS = (ConfigError, corpus.SourceError, checkpoint.CheckpointError)
+USER_ERRORS = (ConfigError, corpus.SourceError, checkpoint.CheckpointError,
+               sharding.MeshError)
 
 
 class TrainingDiverged(Exception):
@@ -75,6 +78,7 @@ class State:
 class Loop:
   """What the steps of one run share."""
   cfg: TrainConfig
+  mesh: Any  # jax.sharding.Mesh
   train_step: Callable
   prefetcher: pipeline.Prefetcher
   checkpoints: checkpoint.RunCheckpoints
@@ -91,29 +95,33 @@ def train(cfg: TrainConfig) -> list[dict]:
   """Runs (or resumes) training; returns every metrics record of the run so far."""
   cfg = resolve(cfg)
   started = time.perf_counter()
+  mesh = make_mesh(cfg)
   open_run_dir(cfg)
   data = load_data(cfg)
-  graphdef, params = init_model(cfg)
+  graphdef, params = init_model(cfg, mesh)
   tx = train_step_lib.make_optimizer(cfg)
-  train_step = train_step_lib.make_train_step(graphdef, tx, cfg, len(corpus.SOURCE_NAMES))
+  opt_state = init_opt_state(tx, params, mesh)
+  train_step = train_step_lib.make_train_step(graphdef, tx, cfg, len(corpus.SOURCE_NAMES),
+                                              mesh, params, opt_state)
   checkpoints = checkpoint.RunCheckpoints(os.path.join(cfg.out_dir, "checkpoints"),
                                           fresh=not cfg.resume, keep=cfg.keep_checkpoints)
   identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k in RUN_IDENTITY}
   identity["corpus"] = data.corpus_key
-  state = restore(cfg, checkpoints, params, tx.init(params), identity)
+  state = restore(cfg, checkpoints, params, opt_state, identity)
   log = open_metrics_log(cfg, state.step_done)
   metrics.write_json_atomic(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
   last_step = cfg.stop_after_step or cfg.steps
   bar = tqdm(total=last_step, initial=state.step_done, disable=not cfg.progress,
              desc=f"{cfg.config} {cfg.recipe}", dynamic_ncols=True)
   loop = Loop(
-      cfg=cfg, train_step=train_step,
+      cfg=cfg, mesh=mesh, train_step=train_step,
       prefetcher=pipeline.Prefetcher(data.streams, seed=cfg.seed, batch_size=cfg.batch_size,
-                                     context_length=cfg.context_length),
+                                     context_length=cfg.context_length,
+                                     sharding=sharding.batch_sharding(mesh)),
       checkpoints=checkpoints, log=log, say=bar.write if cfg.progress else status.say,
       bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
       last_step=last_step, started=started)
-  loop.say(describe_start(cfg, state))
+  loop.say(describe_start(cfg, mesh, state))
   try:
     stopped_at = run_steps(loop, state)
   finally:
@@ -164,13 +172,34 @@ def load_data(cfg: TrainConfig) -> Data:
               prompts)
 
 
-def init_model(cfg: TrainConfig):
-  """(graphdef, params): the model's structure and its initial parameters (a pure dict)."""
+def make_mesh(cfg: TrainConfig):
+  """The --mesh of the visible devices; the global batch must split over all of them."""
+  mesh = sharding.make_mesh(cfg.mesh)
+  if cfg.batch_size % mesh.size:
+    raise ConfigError(f"--batch-size {cfg.batch_size} does not split over the {mesh.size} "
+                      f"devices of the mesh ({sharding.describe(mesh)})")
+  return mesh
+
+
+def init_model(cfg: TrainConfig, mesh=None):
+  """(graphdef, params): the model's structure and its initial parameters (a pure dict),
+  placed on the mesh's fsdp shardings when one is given. The values do not depend on
+  the mesh."""
   model_cfg = dataclasses.replace(
       model_lib.MODEL_CONFIGS[cfg.config], vocab_size=cfg.vocab_size,
       context_length=cfg.context_length, dtype=cfg.dtype)
   graphdef, state = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(cfg.seed)))
-  return graphdef, nnx.to_pure_dict(state)
+  params = nnx.to_pure_dict(state)
+  if mesh is not None:
+    params = jax.device_put(params, sharding.state_shardings(mesh, params))
+  return graphdef, params
+
+
+def init_opt_state(tx, params, mesh):
+  """The optimizer's initial state, made on each device's shards (sharded like the
+  parameters leaf by leaf: AdamW's moments have their shapes)."""
+  shapes = jax.eval_shape(tx.init, params)
+  return jax.jit(tx.init, out_shardings=sharding.state_shardings(mesh, shapes))(params)
 
 
 def restore(cfg: TrainConfig, checkpoints: checkpoint.RunCheckpoints, params, opt_state,
@@ -202,10 +231,11 @@ def open_metrics_log(cfg: TrainConfig, step_done: int) -> metrics.MetricsLog:
   return log
 
 
-def describe_start(cfg: TrainConfig, state: State) -> str:
+def describe_start(cfg: TrainConfig, mesh, state: State) -> str:
   params = model_lib.count_params(state.params) / 1e6
   clip = "off" if cfg.max_norm <= 0 else f"{cfg.max_norm:g}"
-  line = (f"{cfg.config}: {params:.1f}M parameters on {jax.devices()[0].platform}; clip "
+  line = (f"{cfg.config}: {params:.1f}M parameters on {mesh.size} "
+          f"{jax.devices()[0].platform} device(s) (mesh {sharding.describe(mesh)}); clip "
           f"{clip} (impl {cfg.clip_impl}, mode {cfg.clip_mode}); out {cfg.out_dir}")
   if state.step_done:
     return line + f"; resumed after step {state.step_done}"
@@ -272,8 +302,9 @@ def fetch_pending(loop: Loop, state: State) -> None:
   now = time.perf_counter()
   seconds, state.last_time = now - state.last_time, now
   tokens_per_step = loop.cfg.batch_size * loop.cfg.context_length
+  memory = sharding.memory_in_use((state.params, state.opt_state))
   loop.log.write(metrics.step_record(step, phase, corpus.SOURCE_NAMES, m,
-                                     tokens_per_step / max(seconds, 1e-9)))
+                                     tokens_per_step / max(seconds, 1e-9), seconds, memory))
   loop.bar.update(1)
   loop.bar.set_postfix(loss=f"{m['loss']:.3f}", gnorm=f"{m['grad_norm']:.2f}", phase=phase)
   if np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]):

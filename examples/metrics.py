@@ -63,14 +63,18 @@ def phase_record(step: int, phase: int, length: int, names: Sequence[str], weigh
 
 
 def step_record(step: int, phase: int, names: Sequence[str], m: dict,
-                tokens_per_s: float) -> dict:
-  """A step, from the fetched metrics of the training step (train_step.py)."""
+                tokens_per_s: float, step_time_s: float | None = None,
+                device_memory_bytes: Sequence[int] | None = None) -> dict:
+  """A step, from the fetched metrics of the training step (train_step.py), its time
+  (between the fetches of two steps' metrics) and the bytes in use on each device."""
   return {
       "kind": "step", "step": step, "phase": phase, "loss": float(m["loss"]),
       "loss_by_source": {n: (float(m["loss_sum_K"][k] / m["rows_K"][k])
                              if m["rows_K"][k] else None) for k, n in enumerate(names)},
       "grad_norm": float(m["grad_norm"]), "clipped": bool(m["clipped"]),
-      "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
+      "lr": float(m["lr"]), "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
+      "device_memory_bytes": None if device_memory_bytes is None
+                             else [int(b) for b in device_memory_bytes],
   }
 
 

@@ -44,10 +44,12 @@ class Prefetcher:
   """Yields the device batches of one phase at a time, made on a background thread."""
 
   def __init__(self, streams: Sequence[np.ndarray], *, seed: int, batch_size: int,
-               context_length: int, depth: int = 4):
+               context_length: int, depth: int = 4, sharding=None):
+    """sharding: where the batches are put (default: the default device)."""
     self._sample_kwargs = dict(
         seed=seed, batch_size=batch_size, context_length=context_length)
     self._streams = streams
+    self._sharding = sharding
     self._jobs = queue.Queue()
     self._batches = queue.Queue(maxsize=depth)
     self._closing = threading.Event()
@@ -82,7 +84,7 @@ class Prefetcher:
           return
         try:
           batch = sample_batch(self._streams, weights, step=step, **self._sample_kwargs)
-          item = jax.device_put((batch.tokens_BxL1, batch.source_B))
+          item = jax.device_put((batch.tokens_BxL1, batch.source_B), self._sharding)
         except BaseException as e:  # handed to the training loop, which re-raises
           item = e
         self._batches.put((step, item))

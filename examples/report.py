@@ -42,6 +42,9 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
       "final_loss": float(np.mean([r["loss"] for r in steps[-10:]])),
       "clipped_steps": sum(r["clipped"] for r in steps),
       "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps])),
+      "median_step_time_s": _median([r.get("step_time_s") for r in steps]),
+      "peak_device_memory_bytes": max(
+          (b for r in steps for b in r.get("device_memory_bytes") or []), default=None),
       # Step records lost with an earlier run's metrics (see MetricsLog); 0 when whole.
       "missing_step_records": len(metrics.missing_steps(records, steps[-1]["step"])),
   }
@@ -62,8 +65,14 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
   repetition = ", ".join(f"{k} {v:.2f}" for k, v in summary.get("repetition", {}).items())
   print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
         f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped; "
+        f"{summary['median_tokens_per_s']:,.0f} tokens/s (median); "
         f"samples: {repetition or 'none'}; files in {cfg.out_dir}")
   return summary
+
+
+def _median(values) -> float | None:
+  values = [v for v in values if v is not None]
+  return float(np.median(values)) if values else None
 
 
 # --- Samples ----------------------------------------------------------------------

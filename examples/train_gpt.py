@@ -3,6 +3,7 @@
     python examples/train_gpt.py --config tiny                # CPU, a few minutes
     python examples/train_gpt.py --config andrea-12m --source gutenberg=books/*.txt
     python examples/train_gpt.py --config andrea-120m --recipe v1   # no clip, Adam
+    python examples/train_gpt.py --mesh data=2,fsdp=4   # 8 devices: data parallel x FSDP
 
 `--help` lists every flag. The files of the example, each with one job:
 
@@ -14,6 +15,7 @@
   pipeline.py        batch sampling and the prefetch thread
   model.py           the GPT and its three sizes
   train_step.py      the optimizer and the jitted, donated step
+  sharding.py        the device mesh (--mesh) and where each array lives on it
   loop.py            the training loop: `loop.train(TrainConfig(...))` from Python
   metrics.py         the metrics log and atomic file writes
   checkpoint.py      Orbax checkpoints, checked restore with fallback

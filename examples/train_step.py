@@ -10,6 +10,12 @@ plain Adam with no clip. The step returns the metrics of the log: the loss, the 
 global norm and the clipped flag read from the andrea_clip state (v1 has no clip state,
 so there clipjax.global_norm computes the norm), the learning rate, and per source the
 summed loss and the row count, for the bandit.
+
+On a mesh (sharding.py) the step is jitted with the shardings of its inputs and outputs:
+the batch split over every device, parameters and optimizer state over the fsdp axis,
+the metrics replicated. The gradients are constrained to the parameters' shardings, so
+XLA reduce-scatters them and the clip and AdamW run on each device's shard; the clip is
+the plain andrea_clip, which needs no mesh of its own.
 """
 
 import functools
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import sharding
 from config import TrainConfig
 
 
@@ -46,10 +53,21 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(clip, adam)
 
 
-def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int):
+def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int, mesh=None,
+                    params=None, opt_state=None):
   """train_step(params, opt_state, tokens_BxL1, source_B, step) -> (params, opt_state,
-  metrics); params and opt_state are donated."""
+  metrics); params and opt_state are donated. With a mesh, `params` and `opt_state`
+  (arrays or shape/dtype structs) give the state's shape for its shardings."""
   schedule = lr_schedule(cfg)
+  constrain_grads, jit_shardings = (lambda grads: grads), {}
+  if mesh is not None:
+    param_shardings = sharding.state_shardings(mesh, params)
+    state = (param_shardings, sharding.state_shardings(mesh, opt_state))
+    batch, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+    jit_shardings = dict(in_shardings=(*state, batch, batch, rep),
+                         out_shardings=(*state, rep))
+    constrain_grads = functools.partial(jax.lax.with_sharding_constraint,
+                                        shardings=param_shardings)
 
   def loss_fn(params, tokens_BxL1):
     logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1])
@@ -58,9 +76,10 @@ def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int):
     loss_B = loss_BxL.mean(axis=1)
     return loss_B.mean(), loss_B
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_shardings)
   def train_step(params, opt_state, tokens_BxL1, source_B, step):
     (loss, loss_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BxL1)
+    grads = constrain_grads(grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if cfg.max_norm > 0:

@@ -1,7 +1,10 @@
 """What the example's tests share: the example's modules (and its experiments') on the
-path, one tokenizer cache for the session, and the tiny settings most tests start from."""
+path, one tokenizer cache for the session, the tiny settings most tests start from, and
+runs of a test file on N forced CPU devices."""
 
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -32,3 +35,28 @@ def tiny(cache_dir):
     return config.TrainConfig(**{**settings, **overrides})
 
   return make
+
+
+# Set in a subprocess that runs a test file on N forced CPU devices: N.
+DEVICES_ENV = "CLIPJAX_EXAMPLE_CPU_DEVICES"
+
+
+def run_file_on_cpu_devices(test_file, count: int, env: dict | None = None) -> None:
+  """Runs `test_file` with pytest in a subprocess on `count` CPU devices (XLA fixes the
+  CPU device count when its backend starts, so it cannot change within this process);
+  `env` is added to its environment. Fails with the subprocess's output if it fails or
+  runs no test."""
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+  env = dict(os.environ, **(env or {}), XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
+             **{DEVICES_ENV: str(count)})
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+      env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+  assert " passed" in run.stdout, f"no test ran on {count} devices:\n{run.stdout[-4000:]}"
+
+
+def devices_here() -> int | None:
+  """N inside a subprocess of run_file_on_cpu_devices, else None."""
+  count = os.environ.get(DEVICES_ENV)
+  return int(count) if count else None

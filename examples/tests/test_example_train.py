@@ -7,6 +7,7 @@ import os
 import re
 
 import clipjax
+import jax
 import numpy as np
 import pytest
 
@@ -77,9 +78,11 @@ def test_every_step_record_has_the_promised_metrics(v2_run):
   cfg, records = v2_run
   for r in steps_of(records):
     assert set(r) == {"kind", "step", "phase", "loss", "loss_by_source", "grad_norm",
-                      "clipped", "lr", "tokens_per_s"}
+                      "clipped", "lr", "tokens_per_s", "step_time_s", "device_memory_bytes"}
     assert set(r["loss_by_source"]) == set(NAMES)
-    assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+    assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+    assert len(r["device_memory_bytes"]) == jax.device_count()
+    assert min(r["device_memory_bytes"]) > 0
     assert r["clipped"] == (r["grad_norm"] > cfg.max_norm)
   assert steps_of(records)[0]["lr"] == pytest.approx(3e-3 / 3)
   with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
@@ -168,7 +171,8 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, tiny):
   assert len(steps_of(resumed)) == 14
   for a, b in zip(whole, resumed):
     a, b = dict(a), dict(b)
-    a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
+    for timing in ("tokens_per_s", "step_time_s"):
+      a.pop(timing, None), b.pop(timing, None)
     assert a == b
 
 
