@@ -14,8 +14,9 @@ shards:
   global norm = the same over the group norms, each kept as root * 2**exponent
 
 Dividing by m and aligning the exponents keeps every square inside the float range,
-and a norm above it keeps its scale (root * 2**exponent) though it reads as inf. Only a few floats per leaf cross devices: one pmax and one psum per
-group.
+and a norm above it keeps its scale (root * 2**exponent) though it reads as inf. Only a
+few floats per leaf cross devices: one pmax and one psum per group (a group holds at most
+`_ffi.MAX_LEAVES_PER_CALL` leaves, the most one custom call takes).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
 
