@@ -1,13 +1,12 @@
-"""Global-norm clipping on GPT-shaped gradients on one device: clipjax against optax, torch
-and the memory floor.
+"""Global-norm clipping alone on GPT-shaped gradients on one device: clipjax against optax,
+torch and the memory floor (bench_step.py times it inside a training step).
 
 One run measures the device's copy bandwidth, derives the memory floors from it, checks each
 clip against float64, and times
   - the clip alone: clipjax.andrea_clip (the custom call), andrea_clip(impl="jax"),
     optax.clip_by_global_norm and torch.nn.utils.clip_grad_norm_(foreach=True), with the
-    norm above max_norm (every repetition clips) and below it (none does);
-  - the full jitted, donated optimizer step: adamw alone, and each clip then adamw.
-It prints two tables and writes everything, with versions and the command line, to JSON.
+    norm above max_norm (every repetition clips) and below it (none does).
+It prints a table and writes everything, with versions and the command line, to JSON.
 
     python benchmarks/bench_clip.py            # the GPU run
     python benchmarks/bench_clip.py --quick    # tiny shapes: runs on a CPU in seconds
@@ -51,7 +50,6 @@ def parse_args(argv=None):
   p.add_argument("--reps", type=int, default=10, help="the least K, clips per jitted call")
   p.add_argument("--optax-reps", type=int, default=4, help="the least K for optax")
   p.add_argument("--jax-reps", type=int, default=2, help="the least K for impl='jax'")
-  p.add_argument("--step-reps", type=int, default=1, help="optimizer steps per jitted call")
   p.add_argument("--no-scale-reps", action="store_true",
                  help="keep K as given (default: K clips move 50 GB, so the GPU, not the "
                       "host's dispatch, bounds a call)")
@@ -59,12 +57,10 @@ def parse_args(argv=None):
                  help="clips written out per in-jit call at most; more run in a loop "
                       "(default 80 custom call, 16 optax, 4 pure JAX)")
   p.add_argument("--iters", type=int, default=30, help="jitted calls per timed round")
-  p.add_argument("--step-iters", type=int, default=10, help="the same, for the full step")
   p.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported")
   p.add_argument("--rotate-bytes", type=float, default=128e6,
                  help="rotate among copies of the tree so that this many bytes are touched "
                       "before a copy is read again (L2 does not hold them; 0: one copy)")
-  p.add_argument("--no-step", action="store_true", help="skip the full optimizer step")
   p.add_argument("--max-seconds", type=float, default=300,
                  help="start no new case after this many seconds (0: no limit)")
   p.add_argument("--no-profile", action="store_true", help="skip the device-time round")
@@ -79,9 +75,9 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if args.quick:
     args.models = args.models or "tiny"
-    args.reps, args.optax_reps, args.jax_reps, args.step_reps = 3, 3, 2, 2
+    args.reps, args.optax_reps, args.jax_reps = 3, 3, 2
     args.unroll = 2  # K = 3 runs as 2 passes of 2: the loop runs too
-    args.iters, args.step_iters, args.repeats = 2, 2, 2
+    args.iters, args.repeats = 2, 2
     args.rotate_bytes, args.max_seconds, args.no_scale_reps = 0, 0, True
   args.models = choices(p, "--models", args.models or "gpt120m,gpt12m", MODELS)
   args.dtypes = choices(p, "--dtypes", args.dtypes, DTYPES)
@@ -106,13 +102,13 @@ def main(argv=None):
   meta = tables.run_metadata(args)
   meta.update(andrea_impl_arg=andrea_impl, andrea_impl_note=andrea_note or None,
               torch=torch.__version__ if torch else None, torch_skipped=torch_note or None,
-              adamw=clips.ADAMW, max_norm_decay_when_clipping=timing.DECAY,
+              max_norm_decay_when_clipping=timing.DECAY,
               norm_over_max_norm_at_start={"clip": timing.NORM_RATIO,
                                            "noclip": 1 / timing.NORM_RATIO})
   log(f"{meta['device_kinds'][0]} ({meta['backend']}): jax {meta['jax']}, optax "
       f"{meta['optax']}, clipjax {meta['clipjax']}, torch {meta['torch']}")
   out = args.out or tables.default_out_path("bench_clip", meta)
-  results = {"meta": meta, "models": {}, "checks": [], "clip": [], "step": []}
+  results = {"meta": meta, "models": {}, "checks": [], "clip": []}
 
   copy_bytes = COPY_BYTES if not args.quick else 1 << 24
   meta["copy_bandwidth_GBps"] = {"jax": timing.copy_bandwidth(copy_bytes, 10, args.repeats) / 1e9}
@@ -144,18 +140,18 @@ def main(argv=None):
             meta["skipped"].append(f"{model} {dtype} {regime}: {', '.join(pass_impls)}")
             log(f"  over --max-seconds: skipping {meta['skipped'][-1]}")
             continue
-          run_case(case, regime, pass_impls, first_pass, fns, torch, bw, results, args, out)
+          run_case(case, regime, pass_impls, fns, torch, bw, results, args, out)
   finish(results, args, bw, out)
 
 
-def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args, out):
-  """Times the clips `impls` alone, then in the optimizer step, for one case and regime."""
+def run_case(case, regime, impls, fns, torch, bw, results, args, out):
+  """Times the clips `impls` for one case and regime."""
   floors = {"clip": 3 * case.grad_bytes / bw * 1e6, "noclip": case.grad_bytes / bw * 1e6}
   base = dict(dataclasses.asdict(case), regime=regime, floor_us=floors[regime])
 
   def add(table, row):
     results[table].append(row)
-    clips.add_ratios(results["clip"], results["step"])
+    clips.add_ratios(results["clip"])
     tables.save_json(results, out, complete=False)
 
   for impl in impls:
@@ -167,20 +163,6 @@ def run_case(case, regime, impls, with_adamw, fns, torch, bw, results, args, out
     add("clip", dict(base, table="clip", impl=impl, label=clips.LABELS[impl],
                      framework="torch" if impl == "torch" else "jax", **r))
     log_row("clip", regime, clips.LABELS[impl], r, log.elapsed() - t0)
-  if args.no_step:
-    return
-  step_base = dict(base, table="step", fused_floor_us=floors["noclip"])
-  for variant in (["adamw"] if with_adamw else []) + [i for i in impls if i != "torch"]:
-    t0 = log.elapsed()
-    r = clips.bench_step(fns, variant, case, regime, args)
-    label = "adamw alone" if variant == "adamw" else f"{clips.LABELS[variant]} + adamw"
-    add("step", dict(step_base, impl=variant, label=label, framework="jax", **r))
-    log_row("step", regime, label, r, log.elapsed() - t0)
-  if "torch" in impls:
-    for variant, r in torch_baseline.bench_step(torch, case, regime, args, clips.ADAMW).items():
-      label = "torch fused adamw alone" if variant == "adamw" else "torch clip + fused adamw"
-      add("step", dict(step_base, impl=variant, label=label, framework="torch", **r))
-      log_row("step", regime, label, r, 0)
 
 
 def log_row(table, regime, label, r, seconds):
@@ -203,15 +185,11 @@ def finish(results, args, bw, out):
   """Prints the tables, the checks and what was skipped; writes the JSON; exits 1 if a check
   failed."""
   meta = results["meta"]
-  order = {"adamw": -1, **{impl: i for i, impl in enumerate(IMPLS)}}
-  for rows in (results["clip"], results["step"]):
-    rows.sort(key=lambda r: (args.models.index(r["model"]), args.dtypes.index(r["dtype"]),
-                             args.regimes.index(r["regime"]), r["framework"] == "torch",
-                             order[r["impl"]]))
-  clips.add_ratios(results["clip"], results["step"])
+  order = {impl: i for i, impl in enumerate(IMPLS)}
+  results["clip"].sort(key=lambda r: (args.models.index(r["model"]), args.dtypes.index(r["dtype"]),
+                                      args.regimes.index(r["regime"]), order[r["impl"]]))
+  clips.add_ratios(results["clip"])
   print("\n" + tables.clip_table(results["clip"], bw))
-  if results["step"]:
-    print("\n" + tables.step_table(results["step"]))
   cb = meta["command_buffer"]
   print(f"\ncustom call inside an XLA command buffer: {cb['custom_call_in_command_buffer']}"
         f" ({cb['evidence']})")
@@ -273,24 +251,19 @@ def command_buffer_finding(args, impls):
 
 
 def probe_command_buffers(args):
-  """In the child: compiles a K-clip call and a step with the custom call under the probe's
-  names, on a tree with gpt120m's 197 leaves at tiny sizes (dumping a full-size module
+  """In the child: compiles a K-clip call with the custom call under the probe's name, on a tree with gpt120m's 197 leaves at tiny sizes (dumping a full-size module
   takes minutes), and reads where XLA put the custom call's thunks."""
   andrea_impl, _ = pick_andrea_impl()
   make_clip = clips.clip_transform("ffi", andrea_impl)
   case = Case.make("probe", args.dtypes[0], 0)
   clip_probe = clips.repeated_clip(make_clip, name=f"{profiling.PROBE}_clip")
-  step_probe, init = clips.repeated_step(make_clip, True, name=f"{profiling.PROBE}_step")
-  params, grads = case.random_tree(3, scale=0.02), case.random_tree(100)
   ms = timing.max_norm_schedule("clip", 1.0, args.reps)
-  clip_probe.lower([grads], tuple(ms)).compile()
-  step_probe.lower(params, init(params), grads, tuple(ms[:1])).compile()
-  found = {name: profiling.thunk_finding(args.probe_dump_dir, f"{profiling.PROBE}_{name}")
-           for name in ("clip", "step")}
-  return {"custom_call_in_command_buffer": found["clip"]["in_command_buffer"],
-          "evidence": found["clip"]["evidence"],
-          "probed": f"{case.leaves} leaves ({case.dtype}), {args.reps} clips / 1 step in one "
-                    "jitted call", **found}
+  clip_probe.lower([case.random_tree(100)], tuple(ms)).compile()
+  found = profiling.thunk_finding(args.probe_dump_dir, f"{profiling.PROBE}_clip")
+  return {"custom_call_in_command_buffer": found["in_command_buffer"],
+          "evidence": found["evidence"],
+          "probed": f"{case.leaves} leaves ({case.dtype}), {args.reps} clips in one jitted call",
+          "clip": found}
 
 
 if __name__ == "__main__":

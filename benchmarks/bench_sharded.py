@@ -197,7 +197,7 @@ def time_steps(args, layouts, results, out):
   """Times each training-step chain on the FSDP layout, one step per call."""
   for dtype in args.dtypes:
     for name in args.steps:
-      what = f"fsdp {dtype} step {train_step.CHAINS[name][0]}"
+      what = f"fsdp {dtype} step {train_step.CHAINS[name]}"
       if over_time(args, results, what):
         continue
       r = train_step.bench(name, layouts["fsdp", dtype], args)

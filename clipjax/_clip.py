@@ -40,19 +40,23 @@ class AndreaClipState(NamedTuple):
 
 
 def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
-              on_nonfinite: str = "propagate") -> ClipResult:
+              on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
   """Clips a pytree of gradients by its global norm (or per leaf).
 
   Returns a ClipResult: the clipped tree, the norm before clipping, whether it
   was clipped, whether the norm was NaN/inf, and per-leaf norms. None leaves and
   optax.MaskedNode are skipped and kept as they are. A tree with a float64 leaf
   (with jax_enable_x64) is clipped in float64, norms included; else in float32.
+
+  `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
+  result, and k_grad_scale writes it only when it clips.
   """
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
   if p is None:
     return _options.empty_result(tree)
-  out, norms, flags = _dispatch.run(p.max_norm, p.leaves, impl=impl, mode=mode,
-                                    on_nonfinite=on_nonfinite, scale_leaves=True)
+  out, norms, flags = _dispatch.run(
+      p.max_norm, p.leaves, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+      scale_by=_options.resolve_scale(scale, feeds_consumer=False))
   return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)
 
 
@@ -70,12 +74,12 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
   if impl == "ffi":
     _dispatch.check_ffi(paths, leaves)
   _, norms, _ = _dispatch.run(jnp.ones((), jnp.float32), leaves, impl=impl, mode="global",
-                              on_nonfinite="propagate", scale_leaves=False)
+                              on_nonfinite="propagate", scale_by=None)
   return norms[0]
 
 
 def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
-                on_nonfinite: str = "propagate", mesh=None,
+                on_nonfinite: str = "propagate", scale: str = "auto", mesh=None,
                 specs=None) -> optax.GradientTransformation:
   """Clips updates by their global L2 norm; chain it ahead of the optimizer.
 
@@ -103,6 +107,14 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       an inf norm zeroes the finite ones) or "zero" (a NaN/inf norm writes exact
       zeros to every leaf, so AdamW's moments never see it; the step is counted
       in `nonfinite_count`).
+    scale: who multiplies the updates by the clip's factor on the custom-call
+      path. "fused" (what "auto" picks here): the custom call computes the norm
+      and the decision, and the multiply is an XLA elementwise op that XLA fuses
+      into the optimizer's own pass over the updates, so the clip costs one
+      read of the gradients. "kernel": k_grad_scale writes the clipped updates
+      in place (the right choice when nothing consumes them in the same jit).
+      The updates are bit-identical either way; the pure-JAX path always
+      leaves the multiply to XLA (see docs/design.md, "Who applies the scale").
     mesh: only for code that wants the clip in its own `shard_map` over this
       jax.sharding.Mesh (see `sharded_clip_tree`). Not needed for sharded
       updates under `jax.jit`: there the plain transform already clips each
@@ -116,7 +128,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   Returns:
     An optax.GradientTransformation whose state is an AndreaClipState.
   """
-  _options.check_options(max_norm, impl, mode, on_nonfinite)
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+  scale = _options.resolve_scale(scale, feeds_consumer=True)
   per_tensor = mode == "per_tensor"
   if mesh is not None:
     clip = functools.partial(_sharded.sharded_clip_tree, mesh=mesh, specs=specs)
@@ -133,7 +146,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   def update_fn(updates, state, params=None):
     del params
-    result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite)
+    result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                  scale=scale)
     dtype = state.global_norm.dtype  # the state keeps its dtypes from init
     leaf_norms = None
     if per_tensor:

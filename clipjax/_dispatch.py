@@ -48,11 +48,11 @@ class Prepared(NamedTuple):
   invalid_max_norm: jax.Array
 
 
-def prepare(tree, max_norm, impl, mode, on_nonfinite) -> Prepared | None:
+def prepare(tree, max_norm, impl, mode, on_nonfinite, scale="auto") -> Prepared | None:
   """What every clip entry point does first: checks the options, flattens the tree, checks
   that impl="ffi" can run it, and turns max_norm into the clip's operand. None for a tree
   without leaves."""
-  _options.check_options(max_norm, impl, mode, on_nonfinite)
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   paths, leaves, treedef = _options.flatten(tree)
   if not leaves:
     return None
@@ -75,21 +75,31 @@ def shard_impl(impl, leaves) -> str:
   return "ffi" if use_ffi else "jax"
 
 
-def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_leaves):
-  """The clip of `leaves` by `impl`: `(out_leaves or None, norms f32[n + 1], flags int32[2])`."""
-  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
+def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
+  """The clip of `leaves` by `impl`: `(out_leaves or None, norms f32[n + 1], flags int32[2])`.
+
+  `scale_by`: "kernel", "fused" or None (the norms only), as `_ffi.clip_call` takes it; the
+  pure-JAX path always leaves the multiply to XLA.
+  """
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite)
+
+  def pure_jax(max_norm, leaves):
+    return _jax_impl.clip_leaves(max_norm, leaves, scale_leaves=scale_by is not None, **kwargs)
+
+  def custom_call(max_norm, leaves):
+    return _partition.partitioned_clip(max_norm, leaves, scale_by=scale_by, **kwargs)
+
   if impl == "jax":
-    return _jax_impl.clip_leaves(max_norm, leaves, **kwargs)
+    return pure_jax(max_norm, leaves)
   if impl == "ffi":
-    return _partition.partitioned_clip(max_norm, leaves, **kwargs)
+    return custom_call(max_norm, leaves)
   if not (_ffi.has_handler("cuda") and ffi_supports(leaves)):
-    return _jax_impl.clip_leaves(max_norm, leaves, **kwargs)
+    return pure_jax(max_norm, leaves)
 
   def branch(fn):
-    return lambda max_norm, *leaves: _partition.flat_outputs(
-        *fn(max_norm, list(leaves), **kwargs))
+    return lambda max_norm, *leaves: _partition.flat_outputs(*fn(max_norm, list(leaves)))
 
-  outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(_partition.partitioned_clip),
-                                    default=branch(_jax_impl.clip_leaves))
-  out = list(outs[:-2]) if scale_leaves else None
+  outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(custom_call),
+                                    default=branch(pure_jax))
+  out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]

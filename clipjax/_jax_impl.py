@@ -125,14 +125,30 @@ def norms(leaves):
   return pick_norm(*totals), pick_norm(*per_leaf)
 
 
-def scale_leaf(x, scale, keep, zero_fill, shift):
-  """x as the decision says: kept, zero-filled, or (x * scale) * 2**shift (see `decide`)."""
+def scale_leaf(x, scale, low, high, zero_fill):
+  """x as the decision says: zeros where zero_fill, else ((x * scale) * low) * high, each
+  product rounded to the arithmetic's float (see `multipliers`); XLA fuses these few
+  elementwise ops into whatever consumes the leaf."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    scaled = _unscale(x * scale.astype(x.dtype), shift)
+    scaled = x * scale.astype(x.dtype) * low.astype(x.dtype) * high.astype(x.dtype)
   else:
-    scaled = _unscale(x.astype(scale.dtype) * scale, shift).astype(x.dtype)
-  out = jnp.where(keep, x, scaled)
-  return jnp.where(zero_fill, jnp.zeros_like(x), out)
+    scaled = ((x.astype(scale.dtype) * scale) * low * high).astype(x.dtype)
+  return jnp.where(zero_fill, jnp.zeros_like(x), scaled)
+
+
+def multipliers(scale, shift, keep):
+  """(scale, low, high): a decision's factor scale * 2**shift as three multipliers, with
+  low * high = 2**shift in two powers of two that are floats themselves, and 1, 1, 1 for a
+  kept leaf (x * 1 is x, bit for bit).
+
+  With shift != 0 the factor is below the float range and scale < 1, so every element is
+  finite (an inf or NaN one would have made the norm inf or NaN, and the factor 0 or NaN
+  with shift 0): no product is inf * 0.
+  """
+  one = jnp.ones_like(scale)
+  low = pow2(shift // 2, scale.dtype)
+  return (jnp.where(keep, one, scale), jnp.where(keep, one, low),
+          jnp.where(keep, one, pow2(shift - shift // 2, scale.dtype)))
 
 
 def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
@@ -171,8 +187,7 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
 
   Every path ends here: the pure-JAX clip, and the sharded clips after their all-reduce.
   `scale_fn(scale, shift, keep, zero_fill, leaves)`, when given, scales the leaves by
-  scale * 2**shift (the scale-only custom call); by default each leaf is scaled by
-  `scale_leaf`.
+  scale * 2**shift (the scale-only custom call); by default `scale_all` does, in XLA.
 
   Returns (out_leaves or None, norms f32[n + 1], flags int32[2]) as the custom call does.
   """
@@ -191,13 +206,20 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
   all_norms = jnp.concatenate([global_norm[None], leaf_norms])
   if not scale_leaves:
     return None, all_norms, flags
-  if scale_fn is not None:
-    return scale_fn(scale, shift, keep, zero_fill, leaves), all_norms, flags
-  if mode == "per_tensor":
-    out = [scale_leaf(x, scale[i], keep[i], zero_fill, shift[i]) for i, x in enumerate(leaves)]
-  else:
-    out = [scale_leaf(x, scale, keep, zero_fill, shift) for x in leaves]
-  return out, all_norms, flags
+  scale_fn = scale_all if scale_fn is None else scale_fn
+  return scale_fn(scale, shift, keep, zero_fill, leaves), all_norms, flags
+
+
+def scale_all(scale, shift, keep, zero_fill, leaves):
+  """Every leaf by `scale_leaf`: XLA elementwise ops, which XLA fuses into the leaf's
+  consumer. Each decision argument is a scalar, or one value per leaf."""
+  factors = multipliers(jnp.asarray(scale), jnp.asarray(shift), jnp.asarray(keep))
+
+  def pick(v, i):
+    return v[i] if jnp.ndim(v) else v
+
+  return [scale_leaf(x, *(pick(f, i) for f in factors), pick(zero_fill, i))
+          for i, x in enumerate(leaves)]
 
 
 def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):

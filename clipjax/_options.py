@@ -14,6 +14,10 @@ IMPLS = ("auto", "jax", "ffi")
 # (cuda/andrea_clip_math.h: ClipMode, NonFinitePolicy).
 MODES = ("global", "per_tensor")
 NONFINITE_POLICIES = ("propagate", "zero")
+# Who multiplies the leaves by the clip's factor when the custom call computes the norm:
+# "kernel" (k_grad_scale, in place), "fused" (an XLA elementwise op that XLA fuses into
+# whatever consumes the clipped leaves), or "auto" (see `resolve_scale`).
+SCALES = ("auto", "fused", "kernel")
 
 
 class ClipResult(NamedTuple):
@@ -82,11 +86,29 @@ def max_norm_operand(max_norm, on_nonfinite, dtype=jnp.float32):
   return jnp.where(invalid, stand_in, max_norm), invalid
 
 
-def check_options(max_norm, impl, mode, on_nonfinite):
+def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
   check_choice("impl", impl, IMPLS)
   check_choice("mode", mode, MODES)
   check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+  check_choice("scale", scale, SCALES)
+  if impl == "jax" and scale == "kernel":
+    raise ValueError("clipjax: scale='kernel' runs k_grad_scale, a kernel of the custom call; "
+                     "impl='jax' always leaves the multiply to XLA. Use impl='auto' or 'ffi', "
+                     "or scale='auto'.")
   check_max_norm(max_norm)
+
+
+def resolve_scale(scale: str, *, feeds_consumer: bool) -> str:
+  """"fused" or "kernel" for scale="auto" (any other value is returned as it is).
+
+  In a transformation whose outputs feed another in the same jit (`andrea_clip` ahead of
+  an optimizer), "fused": the multiply joins the optimizer's own elementwise pass, so the
+  clip costs one read of the gradients (docs/design.md, "Who applies the scale"). Where the
+  clipped tree is the result (`clip_tree`), "kernel": it writes only when it clips.
+  """
+  if scale != "auto":
+    return scale
+  return "fused" if feeds_consumer else "kernel"
 
 
 def where(path) -> str:

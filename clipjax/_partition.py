@@ -36,25 +36,25 @@ def flat_outputs(out, norms, flags) -> tuple:
   return (*(out or []), norms, flags)
 
 
-def _whole_call(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves):
+def _whole_call(mode, on_nonfinite, scale_by, ranks, max_norm, *leaves):
   """The clip of whole leaves: one custom call, or for a tree of more than
   `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
   with the decision between them (`_shards.clip_shards` with no mesh axes)."""
   del ranks  # static: only the sharding rule reads it
   leaves = list(leaves)
-  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
     return flat_outputs(*_ffi.clip_call(max_norm, leaves, **kwargs))
   return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
                                            **kwargs))
 
 
-def _sharding_rule(mode, on_nonfinite, scale_leaves, ranks, mesh, operand_types, result_types):
+def _sharding_rule(mode, on_nonfinite, scale_by, ranks, mesh, operand_types, result_types):
   """Shardy's rule: a pass-through factor per leaf dimension; norms and flags replicated."""
   del mode, on_nonfinite, mesh, operand_types, result_types
   counter = iter(range(sum(ranks)))
   leaves = [" ".join(f"d{next(counter)}" for _ in range(rank)) for rank in ranks]
-  results = (leaves if scale_leaves else []) + ["norms", "flags"]
+  results = (leaves if scale_by else []) + ["norms", "flags"]
   rule = ", ".join([""] + leaves) + " -> " + ", ".join(results)
   return rule, {"need_replication_factors": ("norms", "flags")}
 
@@ -70,11 +70,11 @@ def _leaf_shardings(mesh, leaf_shapes):
   return out
 
 
-def _infer_shardings(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result_shape):
+def _infer_shardings(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
   """GSPMD's rule (the partitioner before Shardy): as `_sharding_rule` says."""
   del mode, on_nonfinite, ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
-  leaves = _leaf_shardings(mesh, arg_shapes[1:]) if scale_leaves else []
+  leaves = _leaf_shardings(mesh, arg_shapes[1:]) if scale_by else []
   return (*leaves, replicated, replicated)
 
 
@@ -99,7 +99,7 @@ def _padding_mask(shard, global_shape, spec, mesh):
   return None if valid is None else jnp.where(valid, shard, jnp.zeros_like(shard))
 
 
-def _partition(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result_shape):
+def _partition(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
   del ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
   leaf_shapes = arg_shapes[1:]
@@ -110,15 +110,15 @@ def _partition(mode, on_nonfinite, scale_leaves, ranks, mesh, arg_shapes, result
 
   def lower_fn(max_norm, *shards):
     if not any(leaf_axes):
-      return _whole_call(mode, on_nonfinite, scale_leaves, (), max_norm, *shards)
+      return _whole_call(mode, on_nonfinite, scale_by, (), max_norm, *shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
     norm_inputs = [x if m is None else m for x, m in zip(shards, masked)]
     return flat_outputs(*_shards.clip_shards(
         max_norm, list(shards), leaf_axes, impl="ffi", mode=mode, on_nonfinite=on_nonfinite,
-        scale_leaves=scale_leaves, norm_inputs=norm_inputs))
+        scale_by=scale_by, norm_inputs=norm_inputs))
 
-  results = (*(shardings if scale_leaves else []), replicated, replicated)
+  results = (*(shardings if scale_by else []), replicated, replicated)
   return mesh, lower_fn, results, (replicated, *shardings)
 
 
@@ -128,13 +128,13 @@ _clip.def_partition(partition=_partition, infer_sharding_from_operands=_infer_sh
 
 
 @functools.cache
-def _batchable(mode, on_nonfinite, scale_leaves, ranks):
+def _batchable(mode, on_nonfinite, scale_by, ranks):
   """The partitioned call under `jax.vmap`: one call per batch element, in sequence (the
   partitioner has no batching rule)."""
 
   @jax.custom_batching.custom_vmap
   def call(max_norm, *leaves):
-    return _clip(mode, on_nonfinite, scale_leaves, ranks, max_norm, *leaves)
+    return _clip(mode, on_nonfinite, scale_by, ranks, max_norm, *leaves)
 
   @call.def_vmap
   def _(axis_size, in_batched, max_norm, *leaves):
@@ -146,10 +146,10 @@ def _batchable(mode, on_nonfinite, scale_leaves, ranks):
   return call
 
 
-def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   """`_ffi.clip_call`, partitioned per shard under jit (same contract)."""
   ranks = tuple(x.ndim for x in leaves)
-  outs = _batchable(mode, on_nonfinite, scale_leaves, ranks)(max_norm, *leaves)
-  if scale_leaves:
+  outs = _batchable(mode, on_nonfinite, scale_by, ranks)(max_norm, *leaves)
+  if scale_by:
     return list(outs[:-2]), outs[-2], outs[-1]
   return None, outs[0], outs[1]

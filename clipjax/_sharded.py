@@ -129,7 +129,8 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "auto",
-                      mode: str = "global", on_nonfinite: str = "propagate") -> ClipResult:
+                      mode: str = "global", on_nonfinite: str = "propagate",
+                      scale: str = "auto") -> ClipResult:
   """`clip_tree` for gradients sharded over a mesh: each device clips its own shards.
 
   The clip runs inside `shard_map` over `mesh`: every device computes the norms
@@ -141,7 +142,7 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   Args:
     tree: the gradients; under jit, sharded as `specs` say (a leaf laid out
       otherwise is resharded by XLA before the clip).
-    max_norm, impl, mode, on_nonfinite: as for `clip_tree`.
+    max_norm, impl, mode, on_nonfinite, scale: as for `clip_tree`.
     mesh: the jax.sharding.Mesh the gradients are sharded over. Left out, it
       is read from the leaves (see `specs`).
     specs: a PartitionSpec per leaf: a pytree of them shaped like `tree`, or a
@@ -152,15 +153,16 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   Returns:
     A ClipResult; the norms and flags are the same on every device.
   """
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
   if p is None:
     return _options.empty_result(tree)
+  scale_by = _options.resolve_scale(scale, feeds_consumer=False)
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
   impl = _dispatch.shard_impl(impl, p.leaves)
 
   def clip_on_device(max_norm, *shards):
     return _shards.clip_shards(max_norm, list(shards), leaf_axes, impl=impl, mode=mode,
-                               on_nonfinite=on_nonfinite)
+                               on_nonfinite=on_nonfinite, scale_by=scale_by)
 
   replicated = PartitionSpec()
   clip = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
@@ -169,12 +171,12 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
-                           on_nonfinite: str = "propagate") -> ClipResult:
+                           on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
   """`clip_tree` called inside the caller's own `shard_map` on local shards.
 
   Args:
     tree: this device's shards of the gradients.
-    max_norm, impl, mode, on_nonfinite: as for `clip_tree`.
+    max_norm, impl, mode, on_nonfinite, scale: as for `clip_tree`.
     specs: the PartitionSpecs the gradients have in the enclosing shard_map
       (its in_specs for them): a pytree shaped like `tree`, or a prefix of it.
       Only the mesh axes they name matter: a leaf is summed over those axes,
@@ -187,7 +189,7 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   if specs is None:
     raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "
                      "gradients (the in_specs given to shard_map for them)")
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
   if p is None:
     return _options.empty_result(tree)
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
@@ -195,4 +197,5 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   _check_specs_in_shard_map(p.paths, p.leaves, leaf_axes)
   return _options.make_result(p.treedef, *_shards.clip_shards(
       p.max_norm, p.leaves, leaf_axes, impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
-      on_nonfinite=on_nonfinite), p.invalid_max_norm)
+      on_nonfinite=on_nonfinite, scale_by=_options.resolve_scale(scale, feeds_consumer=False)),
+      p.invalid_max_norm)

@@ -67,7 +67,7 @@ def _norm_of_norms(roots, exps):
 
 
 def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfinite: str,
-                scale_leaves: bool = True, norm_inputs=None):
+                scale_by, norm_inputs=None):
   """The clip of the whole tree, run on this device's shards (inside shard_map or a
   partitioned custom call, where the mesh axes are bound).
 
@@ -76,6 +76,8 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     shards: this device's shard of every leaf.
     leaf_axes: per leaf, the mesh axes it is split over.
     impl: "ffi" (custom calls) or "jax".
+    scale_by: "kernel" (one scale call, `k_grad_scale`, for impl="ffi"), "fused" (XLA
+      elementwise ops) or None (the norms only); see `_ffi.clip_call`.
     norm_inputs: what the norms are taken of, where it differs from `shards` (a shard
       with padding, masked to zero); the scale always applies to `shards`.
 
@@ -84,7 +86,6 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     all but the shards are the same on every device.
   """
   norm_inputs = shards if norm_inputs is None else norm_inputs
-  clip_fn = _ffi.clip_call if impl == "ffi" else _jax_impl.clip_leaves
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
@@ -95,17 +96,26 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
   for members in groups:
     # norms = [norm of this device's shards in the group, then one per leaf].
-    _, norms, _ = clip_fn(max_norm, [norm_inputs[i] for i in members], mode=mode,
-                          on_nonfinite="propagate", scale_leaves=False)
+    _, norms, _ = _norm_fn(impl)(max_norm, [norm_inputs[i] for i in members], mode=mode)
     roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
     group_roots.append(roots[0])
     group_exps.append(exps[0])
     for j, i in enumerate(members):
       leaf_roots[i], leaf_exps[i] = roots[1 + j], exps[1 + j]
   root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
-  # One custom call scales every shard (k_grad_scale), where XLA would run one fusion
-  # per leaf.
-  scale_fn = _ffi.scale_call if impl == "ffi" else None
+  # "kernel": one custom call scales every shard (k_grad_scale); else XLA's elementwise
+  # ops, which it fuses into their consumers.
+  scale_fn = _ffi.scale_call if impl == "ffi" and scale_by == "kernel" else None
   return _jax_impl.decide_and_scale(max_norm, shards, root, exp, jnp.stack(leaf_roots),
                                     jnp.stack(leaf_exps), mode=mode, on_nonfinite=on_nonfinite,
-                                    scale_leaves=scale_leaves, scale_fn=scale_fn)
+                                    scale_leaves=scale_by is not None, scale_fn=scale_fn)
+
+
+def _norm_fn(impl):
+  """(max_norm, leaves, mode) -> (None, norms, flags): the norms alone, by `impl`."""
+  if impl == "ffi":
+    return lambda m, leaves, mode: _ffi.clip_call(m, leaves, mode=mode, on_nonfinite="propagate",
+                                                  scale_by=None)
+  return lambda m, leaves, mode: _jax_impl.clip_leaves(m, leaves, mode=mode,
+                                                       on_nonfinite="propagate",
+                                                       scale_leaves=False)

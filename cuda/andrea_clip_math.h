@@ -38,6 +38,14 @@ CLIPJAX_HD float NormFromSumsq(double sumsq) { return static_cast<float>(sqrt(su
 
 CLIPJAX_HD bool IsFiniteDouble(double x) { return x - x == 0.0; }
 
+// x rounded to float32's 24 significant bits, at any exponent (below float32's range
+// too, where a float32 would flush it).
+CLIPJAX_HD double RoundToFloatMantissa(double x) {
+  int e;
+  const double m = frexp(x, &e);
+  return ldexp(static_cast<double>(static_cast<float>(m)), e);
+}
+
 // A multiply by `factor` (> 0): as float32 where it is a normal float32, else wide.
 CLIPJAX_HD LeafScale Multiply(double factor) {
   LeafScale s;
@@ -54,7 +62,11 @@ CLIPJAX_HD LeafScale Multiply(double factor) {
 // With on_nonfinite = zero, a NaN/inf sum of squares zero-fills instead. Where the
 // float32 quotient is not a normal float32 (a norm above the float32 range, or a
 // factor below 2**-126) and the sum is finite, the factor is max_norm / sqrt(sum)
-// in float64, applied in float64: huge finite gradients are scaled, never zeroed.
+// in float64 rounded to float32's 24 significant bits (max_norm / norm as a float32
+// division would round it, were the exponent unbounded; sqrt(sum) for a norm above the
+// float32 range), applied in float64 and rounded once: huge finite gradients are
+// scaled, never zeroed, and x * factor equals (x * mantissa) * 2**exponent in float32
+// wherever that is a normal float32, which is how the fused and pure-JAX paths apply it.
 CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfinite,
                                  bool all_finite) {
   LeafScale s;
@@ -76,7 +88,8 @@ CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfini
     s.action = kMultiply;
     return s;
   }
-  return Multiply(static_cast<double>(max_norm) / sqrt(sumsq));
+  const double root = norm <= FLT_MAX ? static_cast<double>(norm) : sqrt(sumsq);
+  return Multiply(RoundToFloatMantissa(static_cast<double>(max_norm) / root));
 }
 
 // The scale-only call's entry for one leaf: `action` (keep, multiply or zero-fill)

@@ -37,7 +37,7 @@ def test_bench_clip_quick(tmp_path):
   results, stdout = run_quick("bench_clip.py", tmp_path)
   meta = results["meta"]
   assert meta["complete"] and meta["passed"] and meta["andrea_impl_arg"] == "ffi"
-  assert "CLIP ALONE" in stdout and "FULL STEP" in stdout and "correctness: PASS" in stdout
+  assert "CLIP ALONE" in stdout and "correctness: PASS" in stdout
   # Each clip agrees with float64, optax's too in f32: the custom call's result is optax's.
   for dtype in ("f32", "bf16"):
     for impl in ("ffi", "jax", "optax"):
@@ -56,11 +56,30 @@ def test_bench_clip_quick(tmp_path):
   assert {(r["dtype"], r["regime"], r["impl"]) for r in results["clip"]} == {
       (d, g, i) for d in ("f32", "bf16") for g in ("clip", "noclip")
       for i in ("ffi", "jax", "optax")}
-  for row in results["step"]:
-    assert row["regime_ok"]
-    alone = find(results["step"], dtype=row["dtype"], regime=row["regime"], impl="adamw")
-    if row["impl"] != "adamw":
-      assert row["marginal_us"] == pytest.approx(row["us_injit"] - alone["us_injit"])
+
+
+def test_bench_step_quick(tmp_path):
+  results, stdout = run_quick("bench_step.py", tmp_path, "--dtypes", "f32", "--optimizers",
+                              "adamw,inject_adamw")
+  meta = results["meta"]
+  assert meta["complete"] and meta["passed"] and "TRAINING STEP" in stdout
+  checks = {c["what"]: c for c in results["checks"]}
+  assert checks["step andrea: first moment vs float64"]["ok"]
+  assert checks["step: parameters, scale=fused vs scale=kernel (elementwise)"]["ok"]
+  bw = meta["copy_bandwidth_GBps"] * 1e9
+  rows = results["rows"]
+  assert {(r["regime"], r["opt"], r["clip"]) for r in rows} == {
+      (g, o, c) for g in ("clip", "noclip") for o in ("adamw", "inject_adamw")
+      for c in ("none", "andrea", "andrea_kernel", "optax")}
+  for row in rows:
+    assert row["us_injit"] > 0 and row["floor_us"] == pytest.approx(10 * row["n_bytes"] / bw * 1e6)
+    alone = find(rows, regime=row["regime"], opt=row["opt"], clip="none")
+    if row["clip"] != "none":
+      assert row["clip_us"] == pytest.approx(row["us_injit"] - alone["us_injit"])
+    if row["clip"].startswith("andrea"):
+      assert row["clipped_last_step"] == (row["regime"] == "clip")
+    optax_row = find(rows, regime=row["regime"], opt=row["opt"], clip="optax")
+    assert row["vs_optax"] == pytest.approx(optax_row["us_injit"] / row["us_injit"])
 
 
 def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):

@@ -1,10 +1,9 @@
-"""The clips and optimizer steps bench_clip.py times on one device, and how it times them.
+"""The clips bench_clip.py times on one device, and how it times them.
 
 The clip alone: one jitted call applies the clip K times in sequence, each repetition's
 output the next one's input through an optimization barrier (so XLA can neither fuse one
 repetition's scaling into the next one's norm nor drop a repetition), the trees donated (so
-every repetition moves exactly one clip's bytes). The step: optax.chain(clip, adamw) written
-out, params, optimizer state and gradients donated, one step per call.
+every repetition moves exactly one clip's bytes).
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from benchlib.trees import f32_norm, f64_norm, max_rel_err_vs_f64
 
 JAX_IMPLS = ("ffi", "jax", "optax")
 LABELS = {"ffi": "andrea_clip", "jax": "andrea_clip(jax)", "optax": "optax", "torch": "torch"}
-IN_PLACE = ("ffi",)  # the custom call writes the clipped gradients over its input
-ADAMW = dict(learning_rate=3e-4, weight_decay=0.1)
 # Correctness against float64: one rounding of the factor and one to the leaf's type. optax
 # is measured the same way and reported, not checked: on bf16 leaves it sums in bf16.
 UPDATE_RTOL = {"f32": 1e-6, "bf16": 2.0**-7}
@@ -76,54 +73,18 @@ def repeated_clip(make_clip, loops=1, decay=1.0, name="repeated_clip"):
   return jax.jit(run, donate_argnums=0)
 
 
-def repeated_step(make_clip, return_clipped, name="repeated_step"):
-  """(jit(params, opt_state, grads, max_norms) -> the same, init): len(max_norms) steps.
-
-  The step hands gradients to the next one at no memory cost: the clipped ones where the
-  clip wrote them in place (`return_clipped`, the custom call), else the input ones (the
-  pure-JAX clips, whose scaling XLA may fuse into adamw's update as in training).
-  `make_clip` None: adamw alone.
-  """
-  adamw = optax.adamw(**ADAMW)
-
-  def init(params):
-    return (make_clip(1.0).init(params) if make_clip else optax.EmptyState(),
-            adamw.init(params))
-
-  def run(params, opt_state, grads, max_norms):
-    clip_state, adam_state = opt_state
-    for m in max_norms:
-      clipped = grads
-      if make_clip:
-        clipped, clip_state = make_clip(m).update(grads, clip_state, params)
-      updates, adam_state = adamw.update(clipped, adam_state, params)
-      params = optax.apply_updates(params, updates)
-      grads = clipped if return_clipped else grads
-      params, clip_state, adam_state, grads = jax.lax.optimization_barrier(
-          (params, clip_state, adam_state, grads))
-    return params, (clip_state, adam_state), grads
-  run.__name__ = name
-  return jax.jit(run, donate_argnums=(0, 1, 2)), init
-
-
 class JaxFunctions:
-  """One jitted function per clip and per step variant, shared by every shape and regime."""
+  """One jitted function per clip, shared by every shape and regime."""
 
   def __init__(self, andrea_impl):
     self.andrea_impl = andrea_impl
-    self._clips, self._steps = {}, {}
+    self._clips = {}
 
   def clip(self, impl, loops=1, decay=1.0):
     key = (impl, loops, decay)
     if key not in self._clips:
       self._clips[key] = repeated_clip(clip_transform(impl, self.andrea_impl), loops, decay)
     return self._clips[key]
-
-  def step(self, variant):
-    if variant not in self._steps:
-      make_clip = None if variant == "adamw" else clip_transform(variant, self.andrea_impl)
-      self._steps[variant] = repeated_step(make_clip, variant in IN_PLACE)
-    return self._steps[variant]
 
 
 def check_clips(fns, impls, case):
@@ -204,62 +165,10 @@ def bench_clip(fns, impl, case, regime, cfg):
   return out
 
 
-def bench_step(fns, variant, case, regime, cfg):
-  """One donated optimizer step per jitted call (and K per call if --step-reps > 1)."""
-  fn, init = fns.step(variant)
-  K = min(cfg.step_reps, cfg.jax_reps) if variant == "jax" else cfg.step_reps
-  grad_seed = 7
-  norm0 = float(f32_norm(case.random_tree(grad_seed)))
-  carried = {"params": case.random_tree(3, scale=0.02)}
-  carried["opt_state"] = init(carried["params"])
-  grads = case.random_tree(grad_seed)
-  out = {w: compile_summary(fn, carried["params"], carried["opt_state"], grads,
-                            tuple(max_norm_schedule(regime, 1.0, n)))
-         for w, n in (("hlo_injit", K), ("hlo_call", 1)) if n == 1 or K > 1}
-  out.setdefault("hlo_injit", out["hlo_call"])
-  out["reps"] = K
-  del grads
+def add_ratios(clips):
+  """x floor, and the speed-ups over optax and torch.
 
-  def fresh_for(per_call, calls):
-    def fresh(state):
-      if state is not None:  # parameters and moments carry on; gradients start afresh
-        carried["params"], carried["opt_state"] = state["arrays"][:2]
-      del state
-      return {"arrays": (carried.pop("params"), carried.pop("opt_state"),
-                         case.random_tree(grad_seed)),
-              "ms": max_norm_schedule(regime, norm0, per_call * max(calls, WARMUP_CALLS,
-                                                                    PROFILED_CALLS)),
-              "per_call": per_call}
-    return fresh
-
-  def call(state, c):
-    n = state["per_call"]
-    state["arrays"] = fn(*state["arrays"], tuple(state["ms"][c * n:(c + 1) * n]))
-    return state
-
-  ok = True
-  rounds = [("call", 1, cfg.step_iters * PER_CALL_FACTOR)]
-  if K > 1:
-    rounds.insert(0, ("injit", K, cfg.step_iters))
-  for key, per_call, calls in rounds:
-    t = timing.seconds_per_call(fresh_for(per_call, calls), call, calls, cfg.repeats,
-                                profile=key == rounds[0][0] and not cfg.no_profile)
-    out.update(timing.per_repetition(t, per_call, key))
-    params, opt_state, grads = t["state"]["arrays"]
-    ok = ok and regime_holds(regime, [grads], norm0, per_call * t["calls_since_fresh"])
-    ok = ok and math.isfinite(float(f32_norm(params)))
-    carried["params"], carried["opt_state"] = params, opt_state
-    del t, params, opt_state, grads
-  if K == 1:  # one step per call: the in-jit and per-call numbers are one measurement
-    out["us_injit"] = out["us_call"]
-  out["regime_ok"] = ok
-  return out
-
-
-def add_ratios(clips, steps):
-  """x floor, speed-ups over optax and torch, and each clip's marginal cost in the step.
-
-  Speed-ups and the marginal use the GPU's busy time where there is one (torch: its CUDA
+  Speed-ups use the GPU's busy time where there is one (torch: its CUDA
   graph replay), else the in-jit wall time, which can be the host's dispatch rather than
   the GPU's work.
   """
@@ -284,15 +193,3 @@ def add_ratios(clips, steps):
     if torch_row and t:  # torch's faster form: CUDA graph replay, or eager calls
       row["speedup_vs_torch"] = min(x for x in (torch_row.get("us_graph"),
                                                 torch_row["us_call"]) if x) / t
-  for row in steps:
-    row["marginal_us"] = row["marginal_wall_us"] = row["x_marginal_floor"] = None
-    alone = same_case(steps, row, "adamw", row["framework"])
-    if row["impl"] == "adamw" or alone is None:
-      continue
-    wall = "us_injit" if row["framework"] == "jax" else "us_call"
-    row["marginal_wall_us"] = row[wall] - alone[wall]
-    if row.get("us_device") and alone.get("us_device"):
-      row["marginal_us"] = row["us_device"] - alone["us_device"]
-    else:
-      row["marginal_us"] = row["marginal_wall_us"]
-    row["x_marginal_floor"] = row["marginal_us"] / row["floor_us"]

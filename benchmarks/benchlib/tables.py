@@ -62,21 +62,6 @@ def clip_table(rows, bw):
       "their time over this row's, on device times where there are any.")
 
 
-def step_table(rows):
-  columns = [("model", -8, lambda r: r["model"]), ("dtype", -5, lambda r: r["dtype"]),
-             ("regime", -6, lambda r: r["regime"]), ("step", -26, lambda r: r["label"]),
-             ("in-jit", 8, lambda r: r.get("us_injit")),
-             ("device", 8, lambda r: r.get("us_device")), ("per call", 8, lambda r: r["us_call"]),
-             ("marginal", 8, lambda r: r["marginal_us"]),
-             ("floor", 7, lambda r: r["floor_us"] if r["impl"] != "adamw" else None),
-             ("x floor", 7, lambda r: (r["x_marginal_floor"], 2))]
-  return render(
-      "FULL STEP, us per step. marginal: clip + adamw minus adamw alone (device times where "
-      "there are any; torch: per call)", columns, rows,
-      "floor of the marginal: the standalone clip's (3N clipping, N not); a clip fused into "
-      "adamw's own pass could cost N (fused_floor_us in the JSON).")
-
-
 def sharded_clip_table(rows, meta):
   columns = [("layout", -10, lambda r: r["layout"]), ("dtype", -5, lambda r: r["dtype"]),
              ("regime", -6, lambda r: r["regime"]), ("impl", -24, lambda r: r["label"]),

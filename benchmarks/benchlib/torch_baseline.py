@@ -97,21 +97,45 @@ def bench_clip(torch, case, regime, cfg):
   return out
 
 
-def bench_step(torch, case, regime, cfg, adamw):
-  """{"adamw": fused AdamW alone, "torch": clip_grad_norm_(foreach=True) then fused AdamW},
-  each timed per call."""
-  ps = params_with_grads(torch, case, seed=7)
-  max_norm = max_norm_at(regime, grad_norm(torch, ps), 0)
-  opt = torch.optim.AdamW(ps, lr=adamw["learning_rate"], weight_decay=adamw["weight_decay"],
-                          fused=True)
-
-  def clip_then_step(c):
-    torch.nn.utils.clip_grad_norm_(ps, max_norm, foreach=True)
-    opt.step()
-
+def graph_steps(torch, model, dtype, regime, cfg, lr, weight_decay):
+  """torch's step on the same shapes, captured in a CUDA graph and replayed: the gradients
+  multiplied in place by a loss scale of 1.0 (the pass that materializes them, as the JAX
+  steps pay), then fused AdamW (capturable), alone ("adamw") or after
+  clip_grad_norm_(foreach=True) ("torch"). Returns {variant: {"us_device": ...}}, the time
+  per step between CUDA events around the replays."""
+  case = type("Case", (), {"model": model, "dtype": dtype})
   out = {}
-  for variant, call in (("adamw", lambda c: opt.step()), ("torch", clip_then_step)):
-    t, samples = cuda_event_seconds(torch, call, cfg.step_iters * PER_CALL_FACTOR, cfg.repeats)
-    out[variant] = {"reps": 1, "us_call": t * 1e6, "us_injit": None,
-                    "samples_call_us": [s * 1e6 for s in samples]}
+  for variant in ("adamw", "torch"):
+    ps = params_with_grads(torch, case, seed=7)
+    max_norm = max_norm_at(regime, grad_norm(torch, ps), 0)
+    grads = [p.grad for p in ps]
+    loss_scale = torch.ones((), device="cuda")
+    opt = torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, fused=True, capturable=True)
+
+    def step(variant=variant, ps=ps, grads=grads, opt=opt, loss_scale=loss_scale,
+             max_norm=max_norm):
+      torch._foreach_mul_(grads, loss_scale)
+      if variant == "torch":
+        torch.nn.utils.clip_grad_norm_(ps, max_norm, foreach=True)
+      opt.step()
+
+    try:
+      side = torch.cuda.Stream()
+      side.wait_stream(torch.cuda.current_stream())
+      with torch.cuda.stream(side):
+        for _ in range(3):
+          step()
+      torch.cuda.current_stream().wait_stream(side)
+      graph = torch.cuda.CUDAGraph()
+      with torch.cuda.graph(graph):
+        step()
+      t, samples = cuda_event_seconds(torch, lambda c: graph.replay(),
+                                      cfg.iters * PER_CALL_FACTOR, cfg.repeats)
+      out[variant] = {"us_device": t * 1e6, "us_injit": t * 1e6,
+                      "samples_graph_us": [x * 1e6 for x in samples]}
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, the row stays empty
+      out[variant] = {"us_device": None, "us_injit": None,
+                      "graph_error": f"{type(e).__name__}: {e}"[:300]}
+    del ps, grads, opt
+    torch.cuda.empty_cache()
   return out

@@ -28,11 +28,25 @@ from benchlib.trees import f64_norm, max_rel_err_vs_f64
 # XLA need not reuse every donated gradient buffer for an output, and jax warns at each
 # compile where it does not; the memory columns say what each step needs.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-CHAINS = {
-    "andrea": ("andrea_clip(1.0) + adamw", lambda: clipjax.andrea_clip(1.0)),
-    "optax": ("clip_by_global_norm(1.0) + adamw", lambda: optax.clip_by_global_norm(1.0)),
-}
 LEARNING_RATE = 1e-4
+# The clip ahead of the optimizer: max_norm -> GradientTransformation (None: no clip).
+CLIPS = {
+    "none": ("", None),
+    "andrea": ("andrea_clip", lambda m: clipjax.andrea_clip(m)),
+    "andrea_kernel": ("andrea_clip(scale=kernel)",
+                      lambda m: clipjax.andrea_clip(m, scale="kernel")),
+    "optax": ("clip_by_global_norm", lambda m: optax.clip_by_global_norm(m)),
+}
+OPTIMIZERS = {
+    "adamw": lambda lr: optax.adamw(lr, weight_decay=0.1),
+    "adam": lambda lr: optax.adam(lr),
+    "sgd_momentum": lambda lr: optax.sgd(lr, momentum=0.9),
+    "lion": lambda lr: optax.lion(lr / 3),
+    # adamw with max_norm and the learning rate as state (optax.inject_hyperparams)
+    "inject_adamw": lambda lr: optax.adamw(lr, weight_decay=0.1),
+}
+# bench_sharded.py's chains: each clip ahead of adamw.
+CHAINS = {"andrea": "andrea_clip(1.0) + adamw", "optax": "clip_by_global_norm(1.0) + adamw"}
 PARAMS_SEED, GRADS_SEED = 3, 200
 B1 = 0.9  # adamw's default: the first moment after one step is (1 - B1) x the clipped gradients
 # Correctness, one step from the same parameters and gradients: each chain's first moment
@@ -43,8 +57,22 @@ MOMENT_RTOL = {"f32": 2e-6, "bf16": 2.0**-6}
 PARAMS_RTOL = {"f32": 1e-6, "bf16": 2.0**-7}
 
 
-def chain(name):
-  return optax.chain(CHAINS[name][1](), optax.adamw(LEARNING_RATE))
+def label(clip, opt):
+  name = CLIPS[clip][0]
+  return f"{name} + {opt}" if name else f"{opt} alone"
+
+
+def chain(clip, opt="adamw", max_norm=1.0):
+  """optax.chain(clip(max_norm), opt): one GradientTransformation."""
+  make_clip, make_opt = CLIPS[clip][1], OPTIMIZERS[opt]
+
+  def build(max_norm, learning_rate):
+    inner = make_opt(learning_rate)
+    return optax.chain(make_clip(max_norm), inner) if make_clip else inner
+
+  if opt == "inject_adamw":
+    return optax.inject_hyperparams(build)(max_norm=max_norm, learning_rate=LEARNING_RATE)
+  return build(max_norm, LEARNING_RATE)
 
 
 ONE = np.float32(1.0)  # the traced loss scale of every step
@@ -99,11 +127,11 @@ def check_chains(layout, dtype):
   return checks
 
 
-def bench(name, layout, cfg):
+def bench(clip, layout, cfg, opt="adamw", max_norm=1.0):
   """One chain's step, one per jitted call: wall time per step (median of rounds), the
   devices' busy time per step, and the per-device memory XLA planned for it."""
   params = layout.tree(PARAMS_SEED, scale=0.02)
-  fn, opt_state = step_fn(chain(name), layout, params)
+  fn, opt_state = step_fn(chain(clip, opt, max_norm), layout, params)
   summary = compile_summary(fn, params, opt_state, layout.tree(GRADS_SEED), ONE)
   calls = cfg.iters
   carried = {"params": params, "opt_state": opt_state}
@@ -124,8 +152,13 @@ def bench(name, layout, cfg):
 
   t = timing.seconds_per_call(fresh, call, calls, cfg.repeats, profile=not cfg.no_profile)
   out = timing.per_repetition(t, 1, "injit")
-  out.update(chain=name, label=CHAINS[name][0], hlo=summary, memory=summary.pop("memory"),
-             compile_s=summary["compile_s"], learning_rate=LEARNING_RATE, max_norm=1.0)
+  clip_state = [s for s in jax.tree.leaves(t["state"]["arrays"][1],
+                                           is_leaf=lambda x: isinstance(x, clipjax.AndreaClipState))
+                if isinstance(s, clipjax.AndreaClipState)]
+  out.update(chain=clip, clip=clip, opt=opt, label=label(clip, opt), hlo=summary,
+             memory=summary.pop("memory"), compile_s=summary["compile_s"],
+             learning_rate=LEARNING_RATE, max_norm=max_norm,
+             clipped_last_step=bool(clip_state[0].clipped) if clip_state else None)
   return out
 
 
@@ -136,6 +169,6 @@ def add_ratios(rows):
     return r.get("us_device") or r["us_injit"]
 
   for row in rows:
-    optax_row = next((r for r in rows if r["dtype"] == row["dtype"] and r["chain"] == "optax"),
-                     None)
+    optax_row = next((r for r in rows if r["dtype"] == row["dtype"] and r["chain"] == "optax"
+                      and r.get("opt") == row.get("opt")), None)
     row["speedup_vs_optax"] = t(optax_row) / t(row) if optax_row else None
