@@ -213,7 +213,12 @@ def decide_and_scale(max_norm, leaves, global_root, global_exp, leaf_roots, leaf
 def scale_all(scale, shift, keep, zero_fill, leaves):
   """Every leaf by `scale_leaf`: XLA elementwise ops, which XLA fuses into the leaf's
   consumer. Each decision argument is a scalar, or one value per leaf."""
-  factors = multipliers(jnp.asarray(scale), jnp.asarray(shift), jnp.asarray(keep))
+  # The barrier makes XLA compute the few scalars once, in a kernel of their own, rather
+  # than copy their arithmetic into every consumer's fusion, where each element would
+  # repeat it.
+  *factors, zero_fill = lax.optimization_barrier(
+      (*multipliers(jnp.asarray(scale), jnp.asarray(shift), jnp.asarray(keep)),
+       jnp.asarray(zero_fill)))
 
   def pick(v, i):
     return v[i] if jnp.ndim(v) else v
