@@ -55,7 +55,7 @@ def parse_args(argv=None):
   p.add_argument("--regimes", default="clip,noclip", help="comma list of: " + ", ".join(REGIMES))
   p.add_argument("--optimizers", default="adamw",
                  help="comma list of: " + ", ".join(train_step.OPTIMIZERS))
-  p.add_argument("--clips", default=",".join(train_step.CLIPS),
+  p.add_argument("--clips", default="none,andrea,andrea_kernel,optax",
                  help="comma list of: " + ", ".join(train_step.CLIPS))
   p.add_argument("--no-torch", action="store_true", help="skip torch's steps")
   p.add_argument("--no-checks", action="store_true",

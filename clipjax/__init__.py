@@ -4,20 +4,27 @@
 runs three CUDA kernels in one XLA FFI custom call, elsewhere a pure-JAX twin.
 """
 
-from clipjax._clip import AndreaClipState, andrea_clip, clip_state, clip_tree, global_norm
+from clipjax._clip import (AndreaClipState, andrea_clip, clip_state, clip_tree, global_norm,
+                           named_leaf_norms)
 from clipjax._ffi import platforms as ffi_platforms
 from clipjax._options import ClipResult
 from clipjax._sharded import clip_tree_in_shard_map, sharded_clip_tree
+from clipjax._skip import SkipSpikesState, skip_spikes
+from clipjax._spike import ZScoreSpike
 
 __all__ = [
     "AndreaClipState",
     "ClipResult",
+    "SkipSpikesState",
+    "ZScoreSpike",
     "andrea_clip",
     "clip_state",
     "clip_tree",
     "clip_tree_in_shard_map",
     "ffi_platforms",
     "global_norm",
+    "named_leaf_norms",
     "sharded_clip_tree",
+    "skip_spikes",
 ]
 __version__ = "0.1.0"

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _dispatch, _jax_impl, _options, _sharded
+from clipjax import _dispatch, _jax_impl, _options, _sharded, _spike
 from clipjax._options import ClipResult
+from clipjax._spike import ZScoreSpike
 
 
 class AndreaClipState(NamedTuple):
@@ -30,13 +31,23 @@ class AndreaClipState(NamedTuple):
       computing it again).
     clipped: bool scalar, whether the latest updates were scaled (or zeroed).
     nonfinite_count: int32 scalar, how many updates so far had a NaN/inf norm.
-    leaf_norms: with mode="per_tensor", a pytree like the updates holding each
-      leaf's norm before clipping; None with mode="global".
+    leaf_norms: float32[number of leaves], each leaf's norm before clipping, in
+      tree-flatten order (`named_leaf_norms` pairs them with their paths).
+    norm_mean, norm_var: float32 scalars, the running mean and variance of the
+      global norm (with `spike=ZScoreSpike(...)`; zeros without).
+    norm_count: int32 scalar, the finite steps that entered those statistics.
+    spike: bool scalar, whether the latest step was a spike.
+    spike_count: int32 scalar, how many steps so far were spikes.
   """
   global_norm: jax.Array
   clipped: jax.Array
   nonfinite_count: jax.Array
-  leaf_norms: Any
+  leaf_norms: jax.Array
+  norm_mean: jax.Array
+  norm_var: jax.Array
+  norm_count: jax.Array
+  spike: jax.Array
+  spike_count: jax.Array
 
 
 def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
@@ -79,7 +90,8 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
 
 
 def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
-                on_nonfinite: str = "propagate", scale: str = "auto", mesh=None,
+                on_nonfinite: str = "propagate", scale: str = "auto",
+                spike: ZScoreSpike | None = None, mesh=None,
                 specs=None) -> optax.GradientTransformation:
   """Clips updates by their global L2 norm; chain it ahead of the optimizer.
 
@@ -115,6 +127,12 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       in place (the right choice when nothing consumes them in the same jit).
       The updates are bit-identical either way; the pure-JAX path always
       leaves the multiply to XLA (see docs/design.md, "Who applies the scale").
+    spike: a spike policy (`ZScoreSpike(...)`): a step whose global norm is a
+      spike by its running statistics clips to the lower of max_norm and the
+      spike threshold, and is flagged in the state (`spike`, `spike_count`) for
+      `skip_spikes`. All of it runs on the device, with no host sync and no
+      conditional; the clip still reads the gradients once, and its multiply is
+      XLA's (scale="kernel" is refused). Not available with mesh= or specs=.
     mesh: only for code that wants the clip in its own `shard_map` over this
       jax.sharding.Mesh (see `sharded_clip_tree`). Not needed for sharded
       updates under `jax.jit`: there the plain transform already clips each
@@ -130,7 +148,12 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   """
   _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   scale = _options.resolve_scale(scale, feeds_consumer=True)
-  per_tensor = mode == "per_tensor"
+  if spike is not None:
+    if not isinstance(spike, ZScoreSpike):
+      raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
+    if scale == "kernel" or mesh is not None or specs is not None:
+      raise ValueError("clipjax: spike= decides the clip after the norm, with XLA's multiply: "
+                       "it does not combine with scale='kernel', mesh= or specs=")
   if mesh is not None:
     clip = functools.partial(_sharded.sharded_clip_tree, mesh=mesh, specs=specs)
   elif specs is not None:
@@ -139,26 +162,56 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     clip = clip_tree
 
   def init_fn(params):
-    dtype = _jax_impl.norm_dtype([x for x in jax.tree.leaves(params) if hasattr(x, "dtype")])
-    leaf_norms = (jax.tree.map(lambda _: jnp.zeros((), dtype), params) if per_tensor else None)
-    return AndreaClipState(jnp.zeros((), dtype), jnp.zeros((), bool), jnp.zeros((), jnp.int32),
-                           leaf_norms)
+    _, leaves, _ = _options.flatten(params)
+    return AndreaClipState(jnp.zeros((), _jax_impl.norm_dtype(leaves)), jnp.zeros((), bool),
+                           jnp.zeros((), jnp.int32), jnp.zeros((len(leaves),), jnp.float32),
+                           *_spike.initial_stats())
 
   def update_fn(updates, state, params=None):
     del params
-    result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-                  scale=scale)
-    dtype = state.global_norm.dtype  # the state keeps its dtypes from init
-    leaf_norms = None
-    if per_tensor:
-      treedef = jax.tree_util.tree_structure(updates)
-      leaf_norms = jax.tree_util.tree_unflatten(treedef,
-                                                [n.astype(dtype) for n in result.leaf_norms])
+    stats = _spike.SpikeStats(*state[4:])
+    if spike is None:
+      result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                    scale=scale)
+    else:
+      result, stats = _clip_with_spikes(updates, max_norm, spike, stats, impl=impl, mode=mode,
+                                        on_nonfinite=on_nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
-    return result.updates, AndreaClipState(result.global_norm.astype(dtype), result.clipped,
-                                           count, leaf_norms)
+    leaf_norms = result.leaf_norms.astype(jnp.float32).reshape(state.leaf_norms.shape)
+    return result.updates, AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
+                                           result.clipped, count, leaf_norms, *stats)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _clip_with_spikes(tree, max_norm, policy, stats, *, impl, mode, on_nonfinite):
+  """(ClipResult, new SpikeStats): the norms (one read of the leaves), the spike verdict on
+  the global norm, then the decision against the max_norm it gives and XLA's multiply
+  (which XLA fuses into the optimizer, as with scale="fused")."""
+  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
+  if p is None:
+    return _options.empty_result(tree), stats
+  _, norms, _ = _dispatch.run(p.max_norm, p.leaves, impl=impl, mode=mode,
+                              on_nonfinite="propagate", scale_by=None)
+  stats, limit = _spike.step(policy, stats, norms[0], p.max_norm)
+  # A norm above the float32 range reads as inf here, and counts as non-finite.
+  roots, exps = jnp.frexp(norms)
+  out, norms, flags = _jax_impl.decide_and_scale(
+      limit, p.leaves, roots[0], exps[0], roots[1:], exps[1:], mode=mode,
+      on_nonfinite=on_nonfinite, scale_leaves=True)
+  return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm), stats
+
+
+def named_leaf_norms(opt_state, params) -> dict:
+  """{path: norm} of the latest update's leaves, before clipping, e.g.
+  {"['layer_0']['kernel']": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
+  `clip_state`) paired with the paths of `params` (the tree the optimizer was made for)."""
+  paths, _, _ = _options.flatten(params)
+  norms = clip_state(opt_state).leaf_norms
+  if norms.shape != (len(paths),):
+    raise ValueError(f"clipjax: the clip state holds {norms.shape[0]} leaf norms, but params "
+                     f"has {len(paths)} leaves; pass the params the optimizer was built for")
+  return {_options.where(path): norms[i] for i, path in enumerate(paths)}
 
 
 def clip_state(opt_state) -> AndreaClipState:

@@ -22,26 +22,25 @@ SCALES = ("auto", "fused", "kernel")
 
 class ClipResult(NamedTuple):
   """What a clip returns: the clipped tree, the norm before clipping, whether it was
-  clipped, whether the norm was NaN/inf, and the per-leaf norms. Norms are float32, or
-  float64 for a tree with float64 leaves."""
+  clipped, whether the norm was NaN/inf, and the per-leaf norms (an array, in tree-flatten
+  order). Norms are float32, or float64 for a tree with float64 leaves."""
   updates: object
   global_norm: jax.Array
   clipped: jax.Array
   nonfinite: jax.Array
-  leaf_norms: list
+  leaf_norms: jax.Array
 
 
 def empty_result(tree) -> ClipResult:
   zero = jnp.zeros((), jnp.float32)
-  return ClipResult(tree, zero, jnp.zeros((), bool), jnp.zeros((), bool), [])
+  return ClipResult(tree, zero, jnp.zeros((), bool), jnp.zeros((), bool), jnp.zeros((0,)))
 
 
 def make_result(treedef, out, norms, flags, invalid_max_norm) -> ClipResult:
   """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2]); an invalid
   max_norm (see `max_norm_operand`) counts as non-finite."""
   return ClipResult(jax.tree_util.tree_unflatten(treedef, out), norms[0], flags[0] != 0,
-                    (flags[1] != 0) | invalid_max_norm,
-                    [norms[1 + i] for i in range(norms.shape[0] - 1)])
+                    (flags[1] != 0) | invalid_max_norm, norms[1:])
 
 
 def check_choice(name, value, choices):

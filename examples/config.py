@@ -35,6 +35,9 @@ class TrainConfig:
   end_lr_ratio: float = 0.1  # the cosine decay ends at peak_lr * end_lr_ratio
   clip_impl: str = "auto"
   clip_mode: str = "global"
+  # "off"; "zscore": andrea_clip(spike=ZScoreSpike()) clips spikes to their threshold;
+  # "skip": that, inside clipjax.skip_spikes, which skips spike and NaN/inf steps.
+  spike: str = "off"
   dtype: str = "float32"
   # "data=N,fsdp=M" (sharding.py); None: every visible device on the data axis. Not part
   # of the run's identity: a run resumes on another mesh with the same losses.
@@ -76,11 +79,11 @@ RECIPES = {
 }
 CHOICES = {"config": tuple(PRESETS), "recipe": tuple(RECIPES),
            "clip_impl": ("auto", "jax", "ffi"), "clip_mode": ("global", "per_tensor"),
-           "dtype": ("float32", "bfloat16")}
+           "spike": ("off", "zscore", "skip"), "dtype": ("float32", "bfloat16")}
 # Settings a resumed run must share with the checkpoint for its losses to be the same.
 RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "peak_lr",
                 "warmup_steps", "weight_decay", "max_norm", "end_lr_ratio", "clip_mode",
-                "dtype", "vocab_size", "seed", "bandit_config")
+                "spike", "dtype", "vocab_size", "seed", "bandit_config")
 
 
 class ConfigError(ValueError):
@@ -106,6 +109,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
     if getattr(cfg, field) < 0:
       raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, got {getattr(cfg, field)}")
+  if cfg.spike != "off" and cfg.max_norm <= 0:
+    raise ConfigError(f"--spike {cfg.spike} works through the clip: it needs --max-norm > 0 "
+                      f"(recipe {cfg.recipe} has {cfg.max_norm:g})")
   if cfg.context_length < 2:
     raise ConfigError(f"--context-length must be >= 2, got {cfg.context_length}")
   if cfg.vocab_size < 257:  # the 256 byte tokens and the end-of-text token
@@ -158,6 +164,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help="andrea_clip implementation (default: %(default)s)")
   p.add_argument("--clip-mode", default=d.clip_mode, choices=CHOICES["clip_mode"],
                  help="(default: %(default)s)")
+  p.add_argument("--spike", default=d.spike, choices=CHOICES["spike"],
+                 help="off; zscore: clip spikes of the global norm (clipjax.ZScoreSpike) "
+                      "to their threshold; skip: also skip spike and NaN/inf steps "
+                      "(clipjax.skip_spikes) (default: %(default)s)")
   p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
                  help="computation dtype; parameters stay float32 (default: %(default)s)")
   p.add_argument("--mesh", metavar="data=N,fsdp=M",

@@ -23,6 +23,7 @@ import shutil
 import time
 from typing import Any, Callable
 
+import clipjax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +90,7 @@ class Loop:
   phase_starts: list[int]
   last_step: int
   started: float
+  leaf_names: list[str]  # the paths of the clip state's leaf norms ([] without a clip)
 
 
 def train(cfg: TrainConfig) -> list[dict]:
@@ -120,7 +122,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                                      sharding=sharding.batch_sharding(mesh)),
       checkpoints=checkpoints, log=log, say=bar.write if cfg.progress else status.say,
       bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
-      last_step=last_step, started=started)
+      last_step=last_step, started=started,
+      leaf_names=list(clipjax.named_leaf_norms(opt_state, params)) if cfg.max_norm > 0 else [])
   loop.say(describe_start(cfg, mesh, state))
   try:
     stopped_at = run_steps(loop, state)
@@ -304,7 +307,8 @@ def fetch_pending(loop: Loop, state: State) -> None:
   tokens_per_step = loop.cfg.batch_size * loop.cfg.context_length
   memory = sharding.memory_in_use((state.params, state.opt_state))
   loop.log.write(metrics.step_record(step, phase, corpus.SOURCE_NAMES, m,
-                                     tokens_per_step / max(seconds, 1e-9), seconds, memory))
+                                     tokens_per_step / max(seconds, 1e-9), seconds, memory,
+                                     loop.leaf_names))
   loop.bar.update(1)
   loop.bar.set_postfix(loss=f"{m['loss']:.3f}", gnorm=f"{m['grad_norm']:.2f}", phase=phase)
   if np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]):

@@ -62,16 +62,29 @@ def phase_record(step: int, phase: int, length: int, names: Sequence[str], weigh
           "reward": None if reward is None else dict(zip(names, np.asarray(reward).tolist()))}
 
 
+TOP_LEAVES = 5  # a spike step's record names its leaves of the largest norms
+
+
 def step_record(step: int, phase: int, names: Sequence[str], m: dict,
                 tokens_per_s: float, step_time_s: float | None = None,
-                device_memory_bytes: Sequence[int] | None = None) -> dict:
+                device_memory_bytes: Sequence[int] | None = None,
+                leaf_names: Sequence[str] = ()) -> dict:
   """A step, from the fetched metrics of the training step (train_step.py), its time
-  (between the fetches of two steps' metrics) and the bytes in use on each device."""
+  (between the fetches of two steps' metrics) and the bytes in use on each device. A
+  spike step also names its TOP_LEAVES leaves of the largest norms (`leaf_names`: the
+  paths of the leaf norms, clipjax.named_leaf_norms's keys)."""
+  spike = bool(m["spike"])
+  top = None
+  if spike and m["leaf_norms"] is not None:
+    norms = np.asarray(m["leaf_norms"], np.float64)
+    top = [[leaf_names[i], float(norms[i])] for i in np.argsort(-norms)[:TOP_LEAVES]]
   return {
       "kind": "step", "step": step, "phase": phase, "loss": float(m["loss"]),
       "loss_by_source": {n: (float(m["loss_sum_K"][k] / m["rows_K"][k])
                              if m["rows_K"][k] else None) for k, n in enumerate(names)},
       "grad_norm": float(m["grad_norm"]), "clipped": bool(m["clipped"]),
+      "spike": spike, "norm_mean": float(m["norm_mean"]), "top_leaves": top,
+      "skipped_count": int(m["skipped_count"]),
       "lr": float(m["lr"]), "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
       "device_memory_bytes": None if device_memory_bytes is None
                              else [int(b) for b in device_memory_bytes],

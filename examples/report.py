@@ -41,6 +41,8 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
       "initial_loss": steps[0]["loss"],
       "final_loss": float(np.mean([r["loss"] for r in steps[-10:]])),
       "clipped_steps": sum(r["clipped"] for r in steps),
+      "spike_steps": [r["step"] for r in steps if r.get("spike")],
+      "skipped_steps": steps[-1].get("skipped_count", 0),
       "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps])),
       "median_step_time_s": _median([r.get("step_time_s") for r in steps]),
       "peak_device_memory_bytes": max(
@@ -64,7 +66,8 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
   metrics.write_json_atomic(os.path.join(cfg.out_dir, "summary.json"), summary)
   repetition = ", ".join(f"{k} {v:.2f}" for k, v in summary.get("repetition", {}).items())
   print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
-        f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped; "
+        f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped, "
+        f"{len(summary['spike_steps'])} spikes, {summary['skipped_steps']} skipped; "
         f"{summary['median_tokens_per_s']:,.0f} tokens/s (median); "
         f"samples: {repetition or 'none'}; files in {cfg.out_dir}")
   return summary
@@ -158,13 +161,17 @@ def _smooth(values: np.ndarray) -> np.ndarray:
 
 
 def plot_run(records: list[dict], path: str, *, max_norm: float, title: str) -> None:
-  """Three panels: loss (total and per source), pre-clip grad norm, source weights."""
+  """Three panels: loss (total and per source; orange lines at spikes), pre-clip grad norm
+  (clipped steps, spikes circled, the running mean), source weights; dotted lines at the
+  phase boundaries."""
   steps = [r for r in records if r["kind"] == "step"]
   phases = [r for r in records if r["kind"] == "phase"]
   step_S = np.array([r["step"] for r in steps])
   loss_S = np.array([r["loss"] for r in steps])
   norm_S = np.array([r["grad_norm"] for r in steps])
   clipped_S = np.array([bool(r["clipped"]) for r in steps])
+  spike_S = np.array([bool(r.get("spike")) for r in steps])
+  mean_S = np.array([r.get("norm_mean", 0.0) for r in steps])
   boundaries = [p["step"] for p in phases[1:]]
 
   fig, (ax_loss, ax_norm, ax_weights) = plt.subplots(
@@ -189,6 +196,15 @@ def plot_run(records: list[dict], path: str, *, max_norm: float, title: str) -> 
     ax_norm.scatter(step_S[clipped_S], norm_S[clipped_S], color="tab:red", marker="x",
                     s=14, zorder=3,
                     label=f"clipped ({clipped_S.sum()} of {len(step_S)} steps)")
+  if np.any(mean_S > 0):
+    ax_norm.plot(step_S[mean_S > 0], mean_S[mean_S > 0], color="tab:green", lw=1.0,
+                 label="running mean (ZScoreSpike)")
+  if spike_S.any():
+    ax_norm.scatter(step_S[spike_S], norm_S[spike_S], facecolors="none",
+                    edgecolors="tab:orange", marker="o", s=60, zorder=4,
+                    label=f"spike ({spike_S.sum()} steps)")
+    for s in step_S[spike_S]:
+      ax_loss.axvline(s, color="tab:orange", lw=0.6, alpha=0.6)
   ax_norm.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
   ax_norm.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
   ax_norm.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

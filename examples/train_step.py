@@ -6,10 +6,13 @@ The optimizer (recipe v2) is
 
 with a linear warmup to the peak learning rate (step 1 gets peak / warmup_steps) and a
 cosine decay after it to peak * end_lr_ratio. Recipe v1 (max_norm 0, weight decay 0) is
-plain Adam with no clip. The step returns the metrics of the log: the loss, the pre-clip
-global norm and the clipped flag read from the andrea_clip state (v1 has no clip state,
-so there clipjax.global_norm computes the norm), the learning rate, and per source the
-summed loss and the row count, for the bandit.
+plain Adam with no clip. `--spike zscore` gives the clip a spike policy
+(`clipjax.ZScoreSpike()`); `--spike skip` also wraps the chain in `clipjax.skip_spikes`,
+which skips a spike or NaN/inf step entirely. The step returns the metrics of the log: the
+loss, the pre-clip global norm, the clipped and spike flags, the norm's running mean and
+every leaf's norm, read from the andrea_clip state (v1 has no clip state, so there
+clipjax.global_norm computes the norm), the steps skipped so far, the learning rate, and
+per source the summed loss and the row count, for the bandit.
 
 On a mesh (sharding.py) the step is jitted with the shardings of its inputs and outputs:
 the batch split over every device, parameters and optimizer state over the fsdp axis,
@@ -49,8 +52,10 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   adam = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
   if cfg.max_norm <= 0:
     return adam
-  clip = clipjax.andrea_clip(cfg.max_norm, impl=cfg.clip_impl, mode=cfg.clip_mode)
-  return optax.chain(clip, adam)
+  spike = clipjax.ZScoreSpike() if cfg.spike != "off" else None
+  clip = clipjax.andrea_clip(cfg.max_norm, impl=cfg.clip_impl, mode=cfg.clip_mode, spike=spike)
+  tx = optax.chain(clip, adam)
+  return clipjax.skip_spikes(tx) if cfg.spike == "skip" else tx
 
 
 def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int, mesh=None,
@@ -83,12 +88,16 @@ def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int, mesh=None,
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if cfg.max_norm > 0:
-      clip_state = clipjax.clip_state(opt_state)
-      grad_norm, clipped = clip_state.global_norm, clip_state.clipped
+      clip = clipjax.clip_state(opt_state)
+      clip_metrics = {"grad_norm": clip.global_norm, "clipped": clip.clipped,
+                      "spike": clip.spike, "norm_mean": clip.norm_mean,
+                      "leaf_norms": clip.leaf_norms}
     else:
-      grad_norm, clipped = clipjax.global_norm(grads, impl=cfg.clip_impl), False
+      clip_metrics = {"grad_norm": clipjax.global_norm(grads, impl=cfg.clip_impl),
+                      "clipped": False, "spike": False, "norm_mean": 0.0, "leaf_norms": None}
+    skipped = opt_state.skipped_count if cfg.spike == "skip" else 0
     metrics = {
-        "loss": loss, "grad_norm": grad_norm, "clipped": clipped, "lr": schedule(step - 1),
+        "loss": loss, **clip_metrics, "skipped_count": skipped, "lr": schedule(step - 1),
         "loss_sum_K": jax.ops.segment_sum(loss_B, source_B, num_sources),
         "rows_K": jax.ops.segment_sum(jnp.ones_like(loss_B), source_B, num_sources),
     }

@@ -239,9 +239,9 @@ def test_per_tensor_clips_each_leaf_by_its_own_norm(impl):
   out, state = _clip(tree, 1.0, impl, mode="per_tensor")
   np.testing.assert_allclose(out["big"], [0.6, 0.8], rtol=1e-7)
   np.testing.assert_array_equal(out["small"], tree["small"])
-  assert float(state.leaf_norms["big"]) == 5.0
-  np.testing.assert_allclose(float(state.leaf_norms["small"]), 0.5, rtol=1e-7)
-  assert state.leaf_norms["none"] is None
+  assert state.leaf_norms.shape == (2,)  # tree-flatten order: big, small (None is no leaf)
+  assert float(state.leaf_norms[0]) == 5.0
+  np.testing.assert_allclose(float(state.leaf_norms[1]), 0.5, rtol=1e-7)
   np.testing.assert_allclose(float(state.global_norm), math.sqrt(25.25), rtol=1e-7)
   assert bool(state.clipped)
 

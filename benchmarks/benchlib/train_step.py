@@ -36,6 +36,11 @@ CLIPS = {
     "andrea_kernel": ("andrea_clip(scale=kernel)",
                       lambda m: clipjax.andrea_clip(m, scale="kernel")),
     "optax": ("clip_by_global_norm", lambda m: optax.clip_by_global_norm(m)),
+    "andrea_zscore": ("andrea_clip(spike=ZScoreSpike())",
+                      lambda m: clipjax.andrea_clip(m, spike=clipjax.ZScoreSpike())),
+    # skip_spikes around the whole chain (see `chain`)
+    "andrea_skip": ("skip_spikes: andrea_clip(spike=ZScoreSpike())",
+                    lambda m: clipjax.andrea_clip(m, spike=clipjax.ZScoreSpike())),
 }
 OPTIMIZERS = {
     "adamw": lambda lr: optax.adamw(lr, weight_decay=0.1),
@@ -71,8 +76,10 @@ def chain(clip, opt="adamw", max_norm=1.0):
     return optax.chain(make_clip(max_norm), inner) if make_clip else inner
 
   if opt == "inject_adamw":
-    return optax.inject_hyperparams(build)(max_norm=max_norm, learning_rate=LEARNING_RATE)
-  return build(max_norm, LEARNING_RATE)
+    tx = optax.inject_hyperparams(build)(max_norm=max_norm, learning_rate=LEARNING_RATE)
+  else:
+    tx = build(max_norm, LEARNING_RATE)
+  return clipjax.skip_spikes(tx) if clip == "andrea_skip" else tx
 
 
 ONE = np.float32(1.0)  # the traced loss scale of every step

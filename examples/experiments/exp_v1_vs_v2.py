@@ -6,6 +6,8 @@ draws (the bandit's weights then follow each run's own losses):
   v1             no clipping, Adam without weight decay, no warmup
   v2             andrea_clip(1.0) ahead of AdamW (weight decay 0.1), linear warmup
   v2-per-tensor  v2 with every tensor clipped by its own norm (--clip-mode per_tensor)
+  v2-zscore      v2 with spikes of the norm clipped to their threshold (--spike zscore)
+  v2-skip        v2-zscore with spike and NaN/inf steps skipped (--spike skip)
 
 From the per-step metrics it counts gradient-norm spikes (a norm above --spike-factor
 times the median of the previous --spike-window norms), how many fall within
@@ -44,6 +46,8 @@ VARIANTS = {
     "v1": dict(recipe="v1", warmup_steps=None),  # None: the recipe's 0, whatever --warmup-steps
     "v2": dict(recipe="v2"),
     "v2-per-tensor": dict(recipe="v2", clip_mode="per_tensor"),
+    "v2-zscore": dict(recipe="v2", spike="zscore"),
+    "v2-skip": dict(recipe="v2", spike="skip"),
 }
 MIN_HISTORY = 10  # a step is tested for a spike once this many earlier norms are known
 SAMPLE_CHARS = 400
@@ -52,7 +56,8 @@ SAMPLE_CHARS = 400
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--configs", default="andrea-12m,andrea-120m")
-  p.add_argument("--variants", default="v1,v2", help=f"of {', '.join(VARIANTS)}")
+  p.add_argument("--variants", default="v1,v2,v2-zscore,v2-skip",
+                 help=f"of {', '.join(VARIANTS)}")
   p.add_argument("--per-tensor-configs", default="andrea-120m",
                  help="configs that also run v2-per-tensor ('' for none)")
   p.add_argument("--steps", type=int, default=2000)
@@ -114,6 +119,9 @@ def analyse(run: dict, args) -> dict:
   return {
       "config": settings["config"], "recipe": settings["recipe"], "seed": settings["seed"],
       "clip_mode": settings["clip_mode"], "max_norm": settings["max_norm"],
+      "spike_policy": settings.get("spike", "off"),
+      "device_spikes": len(summary.get("spike_steps", [])),
+      "skipped_steps": summary.get("skipped_steps", 0),
       "steps": len(step_S), "planned_steps": settings.get("steps") or len(step_S),
       "stopped_by_time_limit": bool(summary.get("stopped_by_time_limit")),
       "warmup_steps": settings["warmup_steps"],
@@ -239,7 +247,8 @@ def write_report(env, by_run: dict, args) -> str:
            f"top_token_share or repeat_4 of the samples above {args.lock_in:g}.\n"]
   header = ["run", "steps", "loss first -> last 10", "largest norm (step)", "median norm",
             "spikes (near / expected / elsewhere)", "max ratio near / elsewhere",
-            "clipped", "top_token_share", "repeat_4", "locked in"]
+            "clipped", "ZScoreSpike spikes / skipped", "top_token_share", "repeat_4",
+            "locked in"]
   rows = []
   for name, a in by_run.items():
     rep = a["repetition"]
@@ -252,6 +261,7 @@ def write_report(env, by_run: dict, args) -> str:
         f"{exp_common.fmt(a['largest_ratio_near_boundary'])} / "
         f"{exp_common.fmt(a['largest_ratio_elsewhere'])}",
         "n/a" if a["clipped_share"] is None else f"{a['clipped_share']:.1%}",
+        "n/a" if a["spike_policy"] == "off" else f"{a['device_spikes']} / {a['skipped_steps']}",
         exp_common.fmt(rep.get("top_token_share"), 2), exp_common.fmt(rep.get("repeat_4"), 2),
         exp_common.fmt(a["locked_in"])])
   lines += [exp_common.md_table(header, rows), "", "## What the runs show\n"]

@@ -136,7 +136,10 @@ def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
   with open(out / "results.json") as f:
     assert set(json.load(f)) == {"environment", "definitions", "runs", "size_claim"}
   runs = results["runs"]
-  assert set(runs) == {"tiny-v1", "tiny-v2", "tiny-v2-per-tensor"}
+  assert set(runs) == {"tiny-v1", "tiny-v2", "tiny-v2-zscore", "tiny-v2-skip",
+                       "tiny-v2-per-tensor"}
+  assert [runs[f"tiny-{v}"]["spike_policy"] for v in ("v2", "v2-zscore", "v2-skip")] == [
+      "off", "zscore", "skip"]
   assert runs["tiny-v1"]["clipped_share"] is None
   v2_steps = metrics.step_records(metrics.read_records(str(out / "tiny-v2" / "metrics.jsonl")))
   assert runs["tiny-v2"]["clipped_share"] == pytest.approx(

@@ -78,7 +78,10 @@ def test_every_step_record_has_the_promised_metrics(v2_run):
   cfg, records = v2_run
   for r in steps_of(records):
     assert set(r) == {"kind", "step", "phase", "loss", "loss_by_source", "grad_norm",
-                      "clipped", "lr", "tokens_per_s", "step_time_s", "device_memory_bytes"}
+                      "clipped", "spike", "norm_mean", "top_leaves", "skipped_count", "lr",
+                      "tokens_per_s", "step_time_s", "device_memory_bytes"}
+    assert (r["spike"], r["norm_mean"], r["top_leaves"], r["skipped_count"]) == (
+        False, 0.0, None, 0)  # --spike off
     assert set(r["loss_by_source"]) == set(NAMES)
     assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
     assert len(r["device_memory_bytes"]) == jax.device_count()
@@ -148,6 +151,35 @@ def test_prompts_given_on_the_command_line_and_status_lines(tmp_path, capsys):
   assert "training the BPE tokenizer" not in capsys.readouterr().out
 
 
+def test_spike_skip_runs_and_logs_its_statistics(tmp_path, tiny):
+  """--spike skip: every step logs the norm's running mean; a spike step, and only one,
+  names its largest leaves and is skipped; the summary lists the spikes."""
+  cfg = tiny(tmp_path, steps=40, spike="skip", plot=True)
+  steps = steps_of(loop.train(cfg))
+  assert all(r["norm_mean"] > 0 for r in steps)
+  assert all(not r["spike"] for r in steps[:25])  # ZScoreSpike's warmup
+  spikes = [r["step"] for r in steps if r["spike"]]
+  assert [r["step"] for r in steps if r["top_leaves"] is not None] == spikes
+  assert steps[-1]["skipped_count"] == len(spikes)
+  with open(os.path.join(cfg.out_dir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["spike_steps"] == spikes and summary["skipped_steps"] == len(spikes)
+  assert os.path.exists(os.path.join(cfg.out_dir, "report.png"))
+
+
+def test_a_spike_record_names_the_five_largest_leaves():
+  leaf_norms = np.array([0.5, 4.0, 0.1, 3.0, 2.0, 9.0, 1.0], np.float32)
+  names = [f"['w{i}']" for i in range(7)]
+  m = {"loss": 3.0, "grad_norm": 11.0, "clipped": True, "spike": True, "norm_mean": 2.5,
+       "leaf_norms": leaf_norms, "skipped_count": 1, "lr": 1e-3,
+       "loss_sum_K": np.ones(3), "rows_K": np.ones(3)}
+  r = metrics.step_record(7, 0, ["a", "b", "c"], m, 1.0, 0.1, [1], names)
+  assert r["top_leaves"] == [["['w5']", 9.0], ["['w1']", 4.0], ["['w3']", 3.0],
+                             ["['w4']", 2.0], ["['w6']", 1.0]]
+  assert metrics.step_record(8, 0, ["a", "b", "c"], dict(m, spike=False), 1.0, 0.1, [1],
+                             names)["top_leaves"] is None
+
+
 def test_v1_logs_the_norm_it_does_not_clip(v2_run, tmp_path):
   v2_cfg, v2_records = v2_run
   records = loop.train(dataclasses.replace(
@@ -207,6 +239,9 @@ def test_resume_with_other_settings_is_refused(tmp_path, tiny):
     (["--recipe", "v3"], "argument --recipe: invalid choice: 'v3'"),
     (["--clip-impl", "cuda"], "argument --clip-impl: invalid choice: 'cuda'"),
     (["--clip-mode", "local"], "argument --clip-mode: invalid choice: 'local'"),
+    (["--spike", "on"], "argument --spike: invalid choice: 'on'"),
+    (["--recipe", "v1", "--spike", "skip"], "--spike skip works through the clip: it needs "
+     "--max-norm > 0"),
     (["--steps", "0"], "--steps must be > 0, got 0"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--batch-size", "-4"], "--batch-size must be > 0, got -4"),

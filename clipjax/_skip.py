@@ -1,0 +1,72 @@
+"""`skip_spikes`: a whole optimizer step undone on the device when the clip flags it.
+
+The wrapped chain runs as usual; then, on a flagged step (a non-finite norm, or a spike by
+the clip's `ZScoreSpike`), every update is zero and every state of the chain is the one it
+had before the step, except the clip's own state, whose statistics and counters advance.
+The flags are scalars in the clip's state; the choice is a select per array, which XLA fuses
+into the optimizer's own pass (no conditional, no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from clipjax._clip import AndreaClipState, clip_state
+
+
+class SkipSpikesState(NamedTuple):
+  """State of `skip_spikes`: the wrapped chain's state, and how many steps it skipped."""
+  inner_state: Any
+  skipped_count: jax.Array  # int32
+
+
+def skip_spikes(inner: optax.GradientTransformation, *, on_nonfinite: bool = True,
+                on_spike: bool = True) -> optax.GradientTransformation:
+  """Wraps a chain that holds `andrea_clip`, so that a flagged step is skipped entirely.
+
+    tx = clipjax.skip_spikes(optax.chain(
+        clipjax.andrea_clip(1.0, spike=clipjax.ZScoreSpike()), optax.adamw(3e-4)))
+
+  Args:
+    inner: the chain; its state must hold an `AndreaClipState` (see `clip_state`).
+    on_nonfinite: skip a step whose global norm is NaN or inf.
+    on_spike: skip a step the clip's spike policy flags (needs `spike=` on the clip).
+
+  Returns:
+    A GradientTransformation whose state is a `SkipSpikesState`. On a skipped step the
+    updates are zeros and the inner state is bit for bit the one before the step (AdamW's
+    moments and step count included), but for the clip's state, which records the step.
+  """
+  if not (on_nonfinite or on_spike):
+    raise ValueError("clipjax: skip_spikes with on_nonfinite=False and on_spike=False would "
+                     "never skip; leave the wrapper out instead")
+
+  def init_fn(params):
+    state = inner.init(params)
+    clip_state(state)  # a clear error now if the chain holds no andrea_clip
+    return SkipSpikesState(state, jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    new_updates, new_inner = inner.update(updates, state.inner_state, params)
+    before, after = clip_state(state.inner_state), clip_state(new_inner)
+    skip = jnp.zeros((), bool)
+    if on_nonfinite:
+      skip = skip | (after.nonfinite_count > before.nonfinite_count)
+    if on_spike:
+      skip = skip | after.spike
+    new_updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+
+    def keep_old(old, new):
+      if isinstance(new, AndreaClipState):
+        return new
+      return jnp.where(skip, old, new)
+
+    kept = jax.tree.map(keep_old, state.inner_state, new_inner,
+                        is_leaf=lambda x: isinstance(x, AndreaClipState))
+    return new_updates, SkipSpikesState(kept, state.skipped_count + skip.astype(jnp.int32))
+
+  return optax.GradientTransformation(init_fn, update_fn)
