@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import clipjax  # noqa: E402
 from benchlib import clips, profiling, tables, timing, torch_baseline  # noqa: E402
-from benchlib.cli import Log, choices  # noqa: E402
+from benchlib.cli import Log, add_run_flags, choices  # noqa: E402
 from benchlib.tables import num  # noqa: E402
 from benchlib.timing import COPY_BYTES, REGIMES  # noqa: E402
 from benchlib.trees import DTYPES, MODELS, Case, counts_note  # noqa: E402
@@ -56,19 +56,13 @@ def parse_args(argv=None):
   p.add_argument("--unroll", type=int, default=None,
                  help="clips written out per in-jit call at most; more run in a loop "
                       "(default 80 custom call, 16 optax, 4 pure JAX)")
-  p.add_argument("--iters", type=int, default=30, help="jitted calls per timed round")
-  p.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported")
+  add_run_flags(p, "bench_clip", iters=30)
   p.add_argument("--rotate-bytes", type=float, default=128e6,
                  help="rotate among copies of the tree so that this many bytes are touched "
                       "before a copy is read again (L2 does not hold them; 0: one copy)")
-  p.add_argument("--max-seconds", type=float, default=300,
-                 help="start no new case after this many seconds (0: no limit)")
-  p.add_argument("--no-profile", action="store_true", help="skip the device-time round")
   p.add_argument("--probe", action="store_true",
                  help="also find out, from XLA's thunk dump, whether the custom call runs "
                       "inside a command buffer (a subprocess; about 80 s on an H200)")
-  p.add_argument("--out", default=None,
-                 help="JSON path (default benchmarks/results/bench_clip-<date>-<device>.json)")
   p.add_argument("--probe-dump-dir", default=None, help=argparse.SUPPRESS)
   p.add_argument("--quick", action="store_true",
                  help="tiny shapes and few repetitions: runs on a CPU")

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import clipjax
 from benchlib import sharded, tables, timing, train_step
-from benchlib.cli import Log, choices
+from benchlib.cli import Log, add_run_flags, choices
 from benchlib.profiling import compile_summary
 from benchlib.tables import num
 from benchlib.timing import COPY_BYTES, REGIMES
@@ -63,13 +63,7 @@ def parse_args(argv=None):
   p.add_argument("--reps", type=int, default=10, help="K, clips per jitted call (custom call)")
   p.add_argument("--optax-reps", type=int, default=4, help="K for optax and plain_jax")
   p.add_argument("--jax-reps", type=int, default=2, help="K for sharded_clip_tree(jax)")
-  p.add_argument("--iters", type=int, default=10, help="jitted calls per timed round")
-  p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is reported")
-  p.add_argument("--max-seconds", type=float, default=300,
-                 help="start no new timed case after this many seconds (0: no limit)")
-  p.add_argument("--no-profile", action="store_true", help="skip the device-time rounds")
-  p.add_argument("--out", default=None,
-                 help="JSON path (default benchmarks/results/bench_sharded-<date>-<device>.json)")
+  add_run_flags(p, "bench_sharded")
   p.add_argument("--quick", action="store_true",
                  help="tiny shapes and few repetitions: runs on CPU devices")
   args = p.parse_args(argv)

@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchlib import tables, timing, torch_baseline, train_step  # noqa: E402
-from benchlib.cli import Log, choices  # noqa: E402
+from benchlib.cli import Log, add_run_flags, choices  # noqa: E402
 from benchlib.tables import num  # noqa: E402
 from benchlib.timing import COPY_BYTES, REGIMES  # noqa: E402
 from benchlib.trees import AXIS, DTYPES, MODELS, Layout, gpt_grad_spec  # noqa: E402
@@ -60,13 +60,7 @@ def parse_args(argv=None):
   p.add_argument("--no-torch", action="store_true", help="skip torch's steps")
   p.add_argument("--no-checks", action="store_true",
                  help="skip the correctness checks (a second run over cases already checked)")
-  p.add_argument("--iters", type=int, default=10, help="jitted calls per timed round")
-  p.add_argument("--repeats", type=int, default=5, help="timed rounds; the median is reported")
-  p.add_argument("--max-seconds", type=float, default=0,
-                 help="start no new case after this many seconds (0: no limit)")
-  p.add_argument("--no-profile", action="store_true", help="skip the device-time rounds")
-  p.add_argument("--out", default=None,
-                 help="JSON path (default benchmarks/results/bench_step-<date>-<device>.json)")
+  add_run_flags(p, "bench_step", max_seconds=0)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few rounds: a CPU run")
   args = p.parse_args(argv)
   if args.quick:

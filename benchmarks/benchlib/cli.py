@@ -14,6 +14,18 @@ def choices(parser, flag, value, allowed):
   return items
 
 
+def add_run_flags(parser, script, *, iters=10, max_seconds=300):
+  """The flags every timing script shares: rounds, the time budget, profiling, the JSON."""
+  parser.add_argument("--iters", type=int, default=iters, help="jitted calls per timed round")
+  parser.add_argument("--repeats", type=int, default=5,
+                      help="timed rounds; the median is reported")
+  parser.add_argument("--max-seconds", type=float, default=max_seconds,
+                      help="start no new case after this many seconds (0: no limit)")
+  parser.add_argument("--no-profile", action="store_true", help="skip the device-time rounds")
+  parser.add_argument("--out", default=None,
+                      help=f"JSON path (default benchmarks/results/{script}-<date>-<device>.json)")
+
+
 class Log:
   """Progress lines with the seconds since the start."""
 
