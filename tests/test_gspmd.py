@@ -133,6 +133,26 @@ def test_below_max_norm_is_bit_identical(devices, impl):
                                   np.asarray(grads[k]).view(np.uint8))
 
 
+@pytest.mark.parametrize("impl", ["jax", "ffi"])
+def test_leaf_norms_and_spikes_on_sharded_leaves(devices, impl):
+  """The per-leaf norms of the whole leaves, and the spike policy, with nothing gathered."""
+  mesh, layout = _mesh(), _layout(devices)
+  specs = _specs(layout)
+  tx = clipjax.andrea_clip(1.0, impl=impl, spike=clipjax.ZScoreSpike(warmup_steps=2))
+  update = jax.jit(tx.update)
+  state = tx.init(_tree(layout, seed=0))
+  for seed, scale in ((20, 1.0), (21, 1.0), (22, 1.0), (23, 50.0)):
+    grads = _tree(layout, seed, scale)
+    sharded = _put(grads, mesh, specs)
+    updates, state = update(sharded, state)
+  _assert_only_small_all_reduces(update.lower(sharded, state).compile().as_text(), len(grads))
+  _assert_sharded_as(updates, mesh, specs)
+  np.testing.assert_allclose(np.asarray(state.leaf_norms),
+                             [f64_norm(grads[k]) for k in sorted(grads)], rtol=1e-6)
+  assert bool(state.spike) and int(state.spike_count) == 1  # the 50x step
+  assert f64_norm(updates) < 1.0
+
+
 # --- a jitted, donated FSDP step with AdamW ---------------------------------------------
 
 
