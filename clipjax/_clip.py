@@ -11,7 +11,7 @@ kernels) or its pure-JAX twin -> pytree.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -114,9 +114,9 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
 
 
 def _decision(workspace, chunks, n, count):
-  """The first `count` entries of the decision table of a call of `n` leaves (cuda/andrea_clip_math.h's
-  LeafScale: a float64 factor and a LeafAction per leaf) as `_jax_impl.decide` states a
-  decision: (scale, shift, keep, zero_fill), one value per entry.
+  """The first `count` entries of the decision table of a call of `n` leaves (a LeafScale
+  per leaf, cuda/andrea_clip_math.h: a float64 factor and a LeafAction) as
+  `_jax_impl.decide` states a decision: (scale, shift, keep, zero_fill), one value each.
 
   The factor is read from its bits, with no float64 arithmetic (none is needed without
   jax_enable_x64): it carries float32's 24 significant bits (see `DecideScale`), so it is
