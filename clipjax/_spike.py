@@ -61,9 +61,9 @@ class SpikeStats(NamedTuple):
 
 
 def initial_stats() -> SpikeStats:
-  zero = jnp.zeros((), _F32)
-  return SpikeStats(zero, zero, jnp.zeros((), jnp.int32), jnp.zeros((), bool),
-                    jnp.zeros((), jnp.int32))
+  # Each field a buffer of its own: a state is donated, and no buffer may be donated twice.
+  return SpikeStats(jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros((), jnp.int32),
+                    jnp.zeros((), bool), jnp.zeros((), jnp.int32))
 
 
 def step(policy: ZScoreSpike, stats: SpikeStats, norm, max_norm):

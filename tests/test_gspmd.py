@@ -150,7 +150,7 @@ def test_leaf_norms_and_spikes_on_sharded_leaves(devices, impl):
   np.testing.assert_allclose(np.asarray(state.leaf_norms),
                              [f64_norm(grads[k]) for k in sorted(grads)], rtol=1e-6)
   assert bool(state.spike) and int(state.spike_count) == 1  # the 50x step
-  assert f64_norm(updates) < 1.0
+  assert f64_norm(updates) <= 1.0 + 2.0**-8  # clipped to max_norm (the bf16 leaf rounds)
 
 
 # --- a jitted, donated FSDP step with AdamW ---------------------------------------------
