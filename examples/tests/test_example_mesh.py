@@ -34,8 +34,10 @@ from examples.tests.conftest import devices_here, run_file_on_cpu_devices
 STEPS, STOP = 50, 25
 # float32 sums in another order (batch rows and shards split differently). The runs use
 # peak lr 1e-3: at the tiny preset's 3e-3, batches of 8 rows bring loss spikes that blow
-# rounding differences up to 0.2% by step 30; at 1e-3 they stay below 1e-6.
-RTOL = 1e-5
+# rounding differences up to 0.2% by step 30. At 1e-3 they stay below 2e-7 on some
+# corpora and reach 2e-5 on others (the default corpus holds the installed packages'
+# documentation, this README included, so it changes with them).
+RTOL = 1e-4
 SHARED_ENV = "CLIPJAX_EXAMPLE_MESH_DIR"  # the reference losses and the 8-device run
 STAGE_ENV = "CLIPJAX_EXAMPLE_MESH_STAGE"  # which one-device run: reference or resume
 
