@@ -67,7 +67,8 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
     return _options.empty_result(tree)
   out, norms, flags = _dispatch.run(
       p.max_norm, p.leaves, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-      scale_by=_options.resolve_scale(scale, feeds_consumer=False))
+      scale_by=_options.resolve_scale(scale, feeds_consumer=False,
+                                      num_leaves=len(p.leaves)))
   return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)
 
 
@@ -120,7 +121,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       zeros to every leaf, so AdamW's moments never see it; the step is counted
       in `nonfinite_count`).
     scale: who multiplies the updates by the clip's factor on the custom-call
-      path. "fused" (what "auto" picks here): the custom call computes the norm
+      path. "fused" (what "auto" picks here, for up to 1,024 leaves; "kernel"
+      above, where compile time grows): the custom call computes the norm
       and the decision, and the multiply is an XLA elementwise op that XLA fuses
       into the optimizer's own pass over the updates, so the clip costs one
       read of the gradients. "kernel": k_grad_scale writes the clipped updates
@@ -147,7 +149,6 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     An optax.GradientTransformation whose state is an AndreaClipState.
   """
   _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
-  scale = _options.resolve_scale(scale, feeds_consumer=True)
   if spike is not None:
     if not isinstance(spike, ZScoreSpike):
       raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
@@ -171,8 +172,10 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     del params
     stats = _spike.SpikeStats(*state[4:])
     if spike is None:
+      chosen = _options.resolve_scale(scale, feeds_consumer=True,
+                                      num_leaves=state.leaf_norms.shape[0])
       result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-                    scale=scale)
+                    scale=chosen)
     else:
       result, stats = _clip_with_spikes(updates, max_norm, spike, stats, impl=impl, mode=mode,
                                         on_nonfinite=on_nonfinite)

@@ -109,7 +109,10 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   norms, flags, workspace = outs
   if scale_by is None:
     return None, norms, flags
-  decision = _decision(workspace, chunks, n, n if mode == "per_tensor" else 1)
+  if mode == "per_tensor":
+    decision = _decision(workspace, chunks, n, n)
+  else:  # one decision for every leaf: scalars
+    decision = [d[0] for d in _decision(workspace, chunks, n, 1)]
   return _jax_impl.scale_all(*decision, leaves), norms, flags
 
 

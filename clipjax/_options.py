@@ -97,17 +97,24 @@ def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
   check_max_norm(max_norm)
 
 
-def resolve_scale(scale: str, *, feeds_consumer: bool) -> str:
+# Above this many leaves scale="auto" is "kernel" even ahead of an optimizer: XLA compiles
+# the fused multiply into every leaf's fusions, which at 1,000 leaves doubles the compile
+# time of an AdamW step on a CPU (docs/design.md, "Who applies the scale").
+FUSED_MAX_LEAVES = 1024
+
+
+def resolve_scale(scale: str, *, feeds_consumer: bool, num_leaves: int) -> str:
   """"fused" or "kernel" for scale="auto" (any other value is returned as it is).
 
   In a transformation whose outputs feed another in the same jit (`andrea_clip` ahead of
   an optimizer), "fused": the multiply joins the optimizer's own elementwise pass, so the
-  clip costs one read of the gradients (docs/design.md, "Who applies the scale"). Where the
-  clipped tree is the result (`clip_tree`), "kernel": it writes only when it clips.
+  clip costs one read of the gradients; but "kernel" for a tree of more than
+  FUSED_MAX_LEAVES leaves. Where the clipped tree is the result (`clip_tree`), "kernel": it
+  writes only when it clips.
   """
   if scale != "auto":
     return scale
-  return "fused" if feeds_consumer else "kernel"
+  return "fused" if feeds_consumer and num_leaves <= FUSED_MAX_LEAVES else "kernel"
 
 
 def where(path) -> str:

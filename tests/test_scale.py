@@ -140,9 +140,23 @@ def test_fused_leaves_the_multiply_to_xla():
 
 def test_auto_is_fused_in_the_transform_and_kernel_in_clip_tree():
   from clipjax import _options
-  assert _options.resolve_scale("auto", feeds_consumer=True) == "fused"
-  assert _options.resolve_scale("auto", feeds_consumer=False) == "kernel"
-  assert _options.resolve_scale("kernel", feeds_consumer=True) == "kernel"
+  limit = _options.FUSED_MAX_LEAVES
+  assert _options.resolve_scale("auto", feeds_consumer=True, num_leaves=limit) == "fused"
+  assert _options.resolve_scale("auto", feeds_consumer=True, num_leaves=limit + 1) == "kernel"
+  assert _options.resolve_scale("auto", feeds_consumer=False, num_leaves=3) == "kernel"
+  assert _options.resolve_scale("kernel", feeds_consumer=True, num_leaves=3) == "kernel"
+  assert _options.resolve_scale("fused", feeds_consumer=False, num_leaves=10**5) == "fused"
+
+
+def test_auto_in_the_transform_follows_the_leaf_count():
+  """The compiled update of andrea_clip: leaves aliased by k_grad_scale only above
+  FUSED_MAX_LEAVES."""
+  from clipjax import _options
+  for n, aliased in ((3, False), (_options.FUSED_MAX_LEAVES + 1, True)):
+    tree = [jnp.ones((2,), jnp.float32) for _ in range(n)]
+    tx = clipjax.andrea_clip(1.0, impl="ffi")
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).as_text()
+    assert ("output_operand_alias<" in hlo) == aliased, n
 
 
 def test_bad_scale_options_name_the_problem():
