@@ -127,11 +127,7 @@ def check(layout, dtype):
   """Before timing: each chain's first moment against float64 and against optax's chain
   (train_step.check_chains), and one step with scale="fused" against scale="kernel"."""
   checks = train_step.check_chains(layout, dtype)
-  after = {}
-  for clip in ("andrea", "andrea_kernel"):
-    params = layout.tree(train_step.PARAMS_SEED, scale=0.02)
-    fn, opt_state = train_step.step_fn(train_step.chain(clip), layout, params)
-    after[clip], _ = fn(params, opt_state, layout.tree(train_step.GRADS_SEED), train_step.ONE)
+  after = {clip: train_step.one_step(clip, layout)[0] for clip in ("andrea", "andrea_kernel")}
   worst = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
                            / np.maximum(np.abs(np.asarray(b, np.float64)), 1e-30), initial=0.0))
               for a, b in zip(jax.tree.leaves(after["andrea"]),

@@ -170,7 +170,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   def update_fn(updates, state, params=None):
     del params
-    stats = _spike.SpikeStats(*state[4:])
+    stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
     if spike is None:
       chosen = _options.resolve_scale(scale, feeds_consumer=True,
                                       num_leaves=state.leaf_norms.shape[0])

@@ -96,7 +96,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
   for members in groups:
     # norms = [norm of this device's shards in the group, then one per leaf].
-    _, norms, _ = _norm_fn(impl)(max_norm, [norm_inputs[i] for i in members], mode=mode)
+    _, norms, _ = _norms(impl, max_norm, [norm_inputs[i] for i in members], mode)
     roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
     group_roots.append(roots[0])
     group_exps.append(exps[0])
@@ -111,11 +111,9 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
                                     scale_leaves=scale_by is not None, scale_fn=scale_fn)
 
 
-def _norm_fn(impl):
-  """(max_norm, leaves, mode) -> (None, norms, flags): the norms alone, by `impl`."""
+def _norms(impl, max_norm, leaves, mode):
+  """(None, norms, flags) of `leaves` by `impl`: the norms alone."""
   if impl == "ffi":
-    return lambda m, leaves, mode: _ffi.clip_call(m, leaves, mode=mode, on_nonfinite="propagate",
-                                                  scale_by=None)
-  return lambda m, leaves, mode: _jax_impl.clip_leaves(m, leaves, mode=mode,
-                                                       on_nonfinite="propagate",
-                                                       scale_leaves=False)
+    return _ffi.clip_call(max_norm, leaves, mode=mode, on_nonfinite="propagate", scale_by=None)
+  return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite="propagate",
+                               scale_leaves=False)

@@ -47,12 +47,12 @@ def copy_bandwidth(torch, n_bytes, calls, repeats):
   return 2 * (n_bytes // 4) * 4 / t
 
 
-def params_with_grads(torch, case, seed):
-  """The case's parameters (N(0, 0.02)) with .grad set to standard normals."""
-  dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
+def params_with_grads(torch, model, dtype_name, seed):
+  """The model's parameters (N(0, 0.02)) with .grad set to standard normals."""
+  dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
   gen = torch.Generator(device="cuda").manual_seed(seed)
   ps = []
-  for x in jax.tree.leaves(gpt_grad_spec(case.model, case.dtype)):
+  for x in jax.tree.leaves(gpt_grad_spec(model, dtype_name)):
     p = torch.nn.Parameter(0.02 * torch.randn(x.shape, generator=gen, device="cuda",
                                               dtype=dtype))
     p.grad = torch.randn(x.shape, generator=gen, device="cuda", dtype=dtype)
@@ -69,7 +69,8 @@ def bench_clip(torch, case, regime, cfg):
   """clip_grad_norm_(foreach=True): per call, and K calls captured in one CUDA graph and
   replayed (the counterpart of K clips in one jitted call). torch multiplies by
   min(1, max_norm / norm) in both regimes, so its work does not depend on the regime."""
-  sets = [params_with_grads(torch, case, seed=100 + i) for i in range(case.rotation)]
+  sets = [params_with_grads(torch, case.model, case.dtype, seed=100 + i)
+          for i in range(case.rotation)]
   max_norm = max_norm_at(regime, min(grad_norm(torch, ps) for ps in sets), 0)
 
   def call(c):
@@ -103,10 +104,9 @@ def graph_steps(torch, model, dtype, regime, cfg, lr, weight_decay):
   steps pay), then fused AdamW (capturable), alone ("adamw") or after
   clip_grad_norm_(foreach=True) ("torch"). Returns {variant: {"us_device": ...}}, the time
   per step between CUDA events around the replays."""
-  case = type("Case", (), {"model": model, "dtype": dtype})
   out = {}
   for variant in ("adamw", "torch"):
-    ps = params_with_grads(torch, case, seed=7)
+    ps = params_with_grads(torch, model, dtype, seed=7)
     max_norm = max_norm_at(regime, grad_norm(torch, ps), 0)
     grads = [p.grad for p in ps]
     loss_scale = torch.ones((), device="cuda")
