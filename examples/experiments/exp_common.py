@@ -32,7 +32,11 @@ TRAIN_FLAGS = {
     "dtype": str, "cache_dir": str, "time_limit_s": float,
 }
 # Switches passed through to every training run.
-TRAIN_SWITCHES = {"overwrite": "replace the earlier runs in --out-dir"}
+TRAIN_SWITCHES = {
+    "overwrite": "replace the earlier runs in --out-dir",
+    "resume": "continue runs cut short by --time-limit-s from their last checkpoint; "
+              "finished and diverged runs are kept as they are",
+}
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,14 +66,53 @@ def base_config(args: argparse.Namespace, config_name: str, **settings) -> confi
 
 
 def run_training(cfg: config.TrainConfig, env: dict) -> list[dict]:
-  """Trains one run and notes what made it; its checkpoints are removed (no report needs them)."""
-  cfg = dataclasses.replace(cfg, checkpoint_every=cfg.steps or 10**9)
-  records = loop.train(cfg)
+  """Trains one run and notes what made it.
+
+  A run that diverges (loop.TrainingDiverged) is an outcome, not an error: its summary.json
+  records why. Checkpoints are removed once a run has ended, and kept when --time-limit-s
+  cut it short, so that --resume can continue it.
+  """
   run_dir = config.resolve(cfg).out_dir
-  shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+  if cfg.resume and run_state(run_dir) in ("finished", "diverged"):
+    return metrics.read_records(os.path.join(run_dir, "metrics.jsonl"))
+  cfg = dataclasses.replace(cfg, checkpoint_every=cfg.steps or 10**9)
+  try:
+    records = loop.train(cfg)
+  except loop.TrainingDiverged as e:
+    records = metrics.read_records(os.path.join(run_dir, "metrics.jsonl"))
+    metrics.write_json_atomic(os.path.join(run_dir, "summary.json"), {"diverged": str(e)})
+  if run_state(run_dir) != "cut short":
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
   with open(os.path.join(run_dir, "environment.json"), "w") as f:
     json.dump(env, f, indent=2)
   return records
+
+
+def run_state(run_dir: str) -> str | None:
+  """"finished", "diverged", "cut short" (by --time-limit-s) or None (no summary yet)."""
+  path = os.path.join(run_dir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  if "diverged" in summary:
+    return "diverged"
+  return "cut short" if summary.get("stopped_by_time_limit") else "finished"
+
+
+def locked_in(summary: dict, threshold: float) -> bool | None:
+  """Repetition lock-in: the samples' mean top_token_share or repeat_4 above threshold
+  (None for a run without samples)."""
+  rep = summary.get("repetition")
+  if not rep:
+    return None
+  return max(rep["top_token_share"], rep["repeat_4"]) > threshold
+
+
+def final_loss(loss_S: np.ndarray, last: int = 10) -> float | None:
+  """The mean of the last `last` finite losses."""
+  finite = loss_S[np.isfinite(loss_S)]
+  return float(np.mean(finite[-last:])) if len(finite) else None
 
 
 def read_run(run_dir: str) -> dict | None:

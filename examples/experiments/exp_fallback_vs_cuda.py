@@ -238,7 +238,7 @@ def write_report(args, env, labels, timed, equivalence, timing) -> str:
   """`labels`: the equivalence runs, the first the reference; `timed`: the timed impls."""
   ffi_is = "the CUDA custom call" if env["platform"] == "gpu" else (
       f"the custom call's {env['platform'].upper()} handler")
-  lines = [f"# andrea_clip: pure JAX (the TPU/CPU fallback) vs the custom call\n",
+  lines = ["# andrea_clip: pure JAX (the TPU/CPU fallback) vs the custom call\n",
            f"`{env['command']}`\n",
            f"{env['date']}; {env['device']} ({env['platform']}); jax {env['jax']}. "
            f"Here `impl=\"ffi\"` is {ffi_is}; `impl=\"jax\"` is the pure-JAX path that TPUs "

@@ -49,6 +49,8 @@ VARIANTS = {
     "v2-zscore": dict(recipe="v2", spike="zscore"),
     "v2-skip": dict(recipe="v2", spike="skip"),
 }
+COLORS = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")  # one per variant
+assert len(COLORS) >= len(VARIANTS)
 MIN_HISTORY = 10  # a step is tested for a spike once this many earlier norms are known
 SAMPLE_CHARS = 400
 
@@ -112,10 +114,7 @@ def analyse(run: dict, args) -> dict:
   near_share = float(near_S[testable_S].mean()) if testable_S.any() else 0.0
   num_spikes, num_near = int(spike_S.sum()), int((spike_S & near_S).sum())
   nonfinite = np.flatnonzero(~np.isfinite(loss_S) | ~np.isfinite(norm_S))
-  finite_loss = loss_S[np.isfinite(loss_S)]
   repetition = summary.get("repetition", {})
-  locked = (bool(repetition) and max(repetition["top_token_share"],
-                                     repetition["repeat_4"]) > args.lock_in)
   return {
       "config": settings["config"], "recipe": settings["recipe"], "seed": settings["seed"],
       "clip_mode": settings["clip_mode"], "max_norm": settings["max_norm"],
@@ -128,7 +127,7 @@ def analyse(run: dict, args) -> dict:
       "phases": len(exp_common.boundaries(records)) + 1,
       "tokens_per_step": settings["batch_size"] * settings["context_length"],
       "initial_loss": float(loss_S[0]),
-      "final_loss": float(np.mean(finite_loss[-10:])) if len(finite_loss) else None,
+      "final_loss": exp_common.final_loss(loss_S),
       "first_nonfinite_step": int(step_S[nonfinite[0]]) if len(nonfinite) else None,
       "largest_norm": float(np.nanmax(norm_S)),
       "largest_norm_step": int(step_S[np.nanargmax(norm_S)]),
@@ -145,7 +144,8 @@ def analyse(run: dict, args) -> dict:
       "clipped_share": (float(exp_common.column(records, "clipped").mean())
                         if settings["max_norm"] > 0 else None),
       "repetition": repetition,
-      "locked_in": locked if repetition else None,
+      "locked_in": exp_common.locked_in(summary, args.lock_in),
+      "diverged": summary.get("diverged"),
       "samples": summary.get("samples", []),
       "median_tokens_per_s": summary.get("median_tokens_per_s"),
       "environment": run["environment"],
@@ -182,17 +182,20 @@ def spike_sentence(name: str, a: dict, args) -> str:
 def lock_in_findings(by_run: dict, args) -> list[str]:
   """The documents' size claim: v1 locks in at 120M while 12M survives."""
   v1 = {cfg: by_run.get(f"{cfg}-v1") for cfg in ("andrea-12m", "andrea-120m")}
-  if not all(v1.values()) or any(a["locked_in"] is None for a in v1.values()):
+  judged = lambda a: a["locked_in"] is not None or a["first_nonfinite_step"] is not None
+  if not all(v1.values()) or not all(judged(a) for a in v1.values()):
     return ["The size claim (v1 locks in at 120M, 12M survives) needs v1 runs with samples "
             "of both andrea-12m and andrea-120m; these results do not have both."]
   small, big = v1["andrea-12m"], v1["andrea-120m"]
 
   def describe(a):
     shown = ", ".join(f"{k} {a['repetition'][k]:.2f}"
-                      for k in ("top_token_share", "repeat_4", "distinct_2"))
+                      for k in ("top_token_share", "repeat_4", "distinct_2")
+                      if k in a["repetition"])
+    shown = f" ({shown})" if shown else ""
     if a["first_nonfinite_step"] is not None:
-      return f"diverged: non-finite loss from step {a['first_nonfinite_step']} ({shown})"
-    return ("locked in" if a["locked_in"] else "no lock-in") + f" ({shown})"
+      return f"diverged: non-finite loss from step {a['first_nonfinite_step']}{shown}"
+    return ("locked in" if a["locked_in"] else "no lock-in") + shown
 
   failed = lambda a: a["locked_in"] or a["first_nonfinite_step"] is not None
   reproduced = failed(big) and not failed(small)
@@ -323,7 +326,7 @@ def _per_tensor_sentence(cfg, v2, pt) -> str:
 def plot_config(path: str, cfg: str, runs: dict, analyses: dict) -> None:
   fig, (ax_loss, ax_norm) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
   fig.suptitle(f"{cfg}: same seed and bandit schedule")
-  for (name, run), color in zip(runs.items(), ("tab:red", "tab:blue", "tab:green")):
+  for (name, run), color in zip(runs.items(), COLORS):
     step_S = exp_common.column(run["records"], "step")
     loss_S, norm_S = (exp_common.column(run["records"], k) for k in ("loss", "grad_norm"))
     ax_loss.plot(step_S, loss_S, color=color, alpha=0.25, lw=0.6)

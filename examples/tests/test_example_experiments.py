@@ -4,10 +4,13 @@ import argparse
 import json
 import os
 
+import numpy as np
 import pytest
 
 import config
+import exp_common
 import exp_fallback_vs_cuda
+import exp_lr_sweep
 import exp_v1_vs_v2
 import loop
 import metrics
@@ -154,3 +157,110 @@ def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
   # The report can be rebuilt from the run directories alone.
   rebuilt = exp_v1_vs_v2.main(args + ["--report-only"])
   assert rebuilt["runs"]["tiny-v2"]["final_loss"] == runs["tiny-v2"]["final_loss"]
+
+
+def test_a_run_cut_short_by_its_time_limit_resumes_and_a_finished_one_is_kept(tmp_path,
+                                                                              cache_dir):
+  out = tmp_path / "resume"
+  args = ["--configs", "tiny", "--variants", "v2", "--per-tensor-configs", "",
+          "--steps", "6", "--num-samples", "0", "--out-dir", str(out),
+          "--cache-dir", cache_dir, *TINY]
+  cut = exp_v1_vs_v2.main(args + ["--time-limit-s", "1e-6"])["runs"]["tiny-v2"]
+  assert cut["steps"] == 1 and cut["stopped_by_time_limit"]
+  run_dir = out / "tiny-v2"
+  assert exp_common.run_state(str(run_dir)) == "cut short"
+  assert os.listdir(run_dir / "checkpoints")  # kept for --resume
+  whole = exp_v1_vs_v2.main(args + ["--resume"])["runs"]["tiny-v2"]
+  assert whole["steps"] == 6 and not whole["stopped_by_time_limit"]
+  steps = [r["step"] for r in metrics.step_records(
+      metrics.read_records(str(run_dir / "metrics.jsonl")))]
+  assert steps == [1, 2, 3, 4, 5, 6]
+  assert exp_common.run_state(str(run_dir)) == "finished"
+  assert not (run_dir / "checkpoints").exists()
+  # A finished run is not trained again by --resume.
+  mtime = os.path.getmtime(run_dir / "metrics.jsonl")
+  exp_v1_vs_v2.main(args + ["--resume"])
+  assert os.path.getmtime(run_dir / "metrics.jsonl") == mtime
+
+
+def test_a_diverged_run_is_an_outcome_of_the_experiment(tmp_path, cache_dir, monkeypatch):
+  real_train = loop.train
+
+  def diverge(cfg):
+    records = real_train(cfg)  # a real run, then the report of a divergence
+    raise loop.TrainingDiverged(f"NaN/inf for 3 steps after step {len(records)}")
+
+  monkeypatch.setattr(loop, "train", diverge)
+  out = tmp_path / "diverged"
+  results = exp_v1_vs_v2.main(
+      ["--configs", "tiny", "--variants", "v1", "--per-tensor-configs", "", "--steps", "3",
+       "--num-samples", "0", "--out-dir", str(out), "--cache-dir", cache_dir, *TINY])
+  assert exp_common.run_state(str(out / "tiny-v1")) == "diverged"
+  assert results["runs"]["tiny-v1"]["diverged"].startswith("NaN/inf for 3 steps")
+
+
+# --- The learning-rate sweep --------------------------------------------------------
+
+
+def sweep_run(losses, lr, repetition=None, diverged=None):
+  run = synthetic_run([1.0] * len(losses), [], repetition=repetition)
+  for r, loss in zip(metrics.step_records(run["records"]), losses):
+    r["loss"] = loss
+  run["config"].update(peak_lr=lr, steps=len(losses))
+  if diverged:
+    run["summary"]["diverged"] = diverged
+  return run
+
+
+SWEEP_RULES = argparse.Namespace(blowup=1.0, lock_in=0.5)
+CALM = {"top_token_share": 0.1, "repeat_4": 0.05, "distinct_2": 0.9}
+
+
+@pytest.mark.parametrize("losses, repetition, diverged, outcome", [
+    (list(np.linspace(8, 4, 200)), CALM, None, "stable"),
+    (list(np.linspace(8, 4, 100)) + list(np.linspace(4, 6, 100)), CALM, None, "diverged"),
+    (list(np.linspace(8, 4, 100)) + list(np.linspace(4, 4.8, 100)), CALM, None, "stable"),
+    (list(np.linspace(8, 4, 100)) + [float("nan")] * 3, {}, "NaN/inf", "diverged"),
+    (list(np.linspace(8, 4, 200)), {**CALM, "repeat_4": 0.7}, None, "locked in")])
+def test_a_sweep_run_is_judged_stable_diverged_or_locked_in(losses, repetition, diverged,
+                                                             outcome):
+  j = exp_lr_sweep.judge(sweep_run(losses, 1e-3, repetition, diverged), SWEEP_RULES)
+  assert j["outcome"] == outcome
+
+
+def test_the_stable_range_is_the_largest_stable_rate_and_the_failure_above_it():
+  def judged(outcomes):
+    return {f"x-{lr}": {"config": "andrea-12m", "variant": "v1", "peak_lr": lr,
+                        "outcome": o} for lr, o in outcomes.items()}
+
+  r = exp_lr_sweep.stable_range(judged({1e-4: "stable", 1e-3: "stable", 1e-2: "diverged",
+                                        3e-2: "locked in"}))["andrea-12m v1"]
+  assert r["largest_stable"] == 1e-3
+  assert r["first_failure_above"] == {"peak_lr": 1e-2, "outcome": "diverged"}
+  assert "stable up to 0.001; 0.01 diverged" in exp_lr_sweep.range_sentence("v1", r)
+  # A stable rate above a failure still counts: the edge is not always clean.
+  r = exp_lr_sweep.stable_range(judged({1e-3: "locked in", 1e-2: "stable"}))["andrea-12m v1"]
+  assert r == {"tried": [1e-3, 1e-2], "largest_stable": 1e-2, "first_failure_above": None}
+  assert "the edge lies above 0.01" in exp_lr_sweep.range_sentence("v1", r)
+
+
+def test_lr_sweep_on_the_cpu(tmp_path, cache_dir):
+  out = tmp_path / "sweep"
+  args = ["--configs", "tiny", "--variants", "v1,v2", "--lrs", "1e-3,3e-3", "--steps", "6",
+          "--warmup-steps", "2",
+          "--num-samples", "1", "--sample-tokens", "8", "--out-dir", str(out),
+          "--cache-dir", cache_dir, *TINY]
+  results = exp_lr_sweep.main(args)
+  assert set(results["runs"]) == {"tiny-v1-lr0.001", "tiny-v1-lr0.003", "tiny-v2-lr0.001",
+                                  "tiny-v2-lr0.003"}
+  assert {"report.md", "results.json", "tiny-lr.png"} <= set(os.listdir(out))
+  for name, j in results["runs"].items():
+    assert j["steps"] == 6 and j["peak_lr"] == float(name.split("-lr")[1])
+    assert j["outcome"] in ("stable", "diverged", "locked in")
+  for variant, warmup in (("v1", 0), ("v2", 2)):  # v1's recipe has none, whatever the flag
+    with open(out / f"tiny-{variant}-lr0.003" / "config.json") as f:
+      assert json.load(f)["warmup_steps"] == warmup
+  assert set(results["stable_range"]) == {"tiny v1", "tiny v2"}
+  assert "## Stable range" in (out / "report.md").read_text()
+  with pytest.raises(SystemExit):
+    exp_lr_sweep.parse_args(args + ["--peak-lr", "1e-3"])
