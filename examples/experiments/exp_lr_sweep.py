@@ -9,7 +9,10 @@ batches), and calls each run:
              its 50-step moving average ended more than --blowup nats above its lowest
   locked in  the samples generated at the end repeat themselves: a mean top_token_share
              or repeat_4 above --lock-in
-  stable     neither
+  too high   a rate above the best one of its config and variant (the lowest moving-average
+             loss) whose own lowest is more than --worse-by nats above the best: it trains,
+             but the rate is past what the recipe can use
+  stable     none of these
 
 The report gives, per config and variant, the largest stable peak learning rate and the
 smallest failing one above it: the edge lies between them. Runs go to
@@ -50,6 +53,9 @@ def parse_args(argv):
   p.add_argument("--steps", type=int, default=1500)
   p.add_argument("--blowup", type=float, default=1.0,
                  help="nats above its lowest point at which a moving-average loss diverged")
+  p.add_argument("--worse-by", type=float, default=1.0,
+                 help="nats of lowest loss above the best rate's that make a higher rate "
+                      "too high")
   p.add_argument("--lock-in", type=float, default=0.5,
                  help="lock-in: mean top_token_share or repeat_4 of the samples above this")
   p.add_argument("--out-dir", default="runs/exp-lr-sweep")
@@ -109,6 +115,22 @@ def judge(run: dict, args) -> dict:
   }
 
 
+def mark_too_high(judged: dict, worse_by: float) -> None:
+  """Calls "too high" every stable rate above its config and variant's best rate whose
+  lowest smoothed loss is more than `worse_by` nats above the best's."""
+  by_pair: dict[tuple, list] = {}
+  for j in judged.values():
+    if j["lowest_smoothed_loss"] is not None:
+      by_pair.setdefault((j["config"], j["variant"]), []).append(j)
+  for runs in by_pair.values():
+    best = min(runs, key=lambda j: j["lowest_smoothed_loss"])
+    for j in runs:
+      gap = j["lowest_smoothed_loss"] - best["lowest_smoothed_loss"]
+      if j["outcome"] == "stable" and j["peak_lr"] > best["peak_lr"] and gap > worse_by:
+        j["outcome"], j["why"] = "too high", (f"lowest loss {gap:.2f} nats above "
+                                              f"{best['peak_lr']:g}'s")
+
+
 def stable_range(judged: dict) -> dict:
   """Per (config, variant): the largest stable rate, and the smallest failure above it."""
   by_pair: dict[tuple, list] = {}
@@ -154,7 +176,9 @@ def write_report(env, judged: dict, ranges: dict, args) -> str:
     lines.append(f"- {', '.join(names)}: `{command}` on {device}, jax {jax_version}, {date}")
   lines += ["", f"Diverged: a NaN/inf loss, or a {SMOOTH_STEPS}-step moving-average loss "
             f"that ended more than {args.blowup:g} nats above its lowest. Locked in: the "
-            f"samples' mean top_token_share or repeat_4 above {args.lock_in:g}.\n"]
+            f"samples' mean top_token_share or repeat_4 above {args.lock_in:g}. Too high: a "
+            f"rate above the best one of its config and variant whose lowest moving-average "
+            f"loss is more than {args.worse_by:g} nats above the best's.\n"]
   header = ["config", "variant", "peak lr", "warmup", "steps", "loss first -> last 10%",
             "lowest (smoothed)", "largest / median norm", "top_token_share", "repeat_4",
             "outcome"]
@@ -180,7 +204,7 @@ def write_report(env, judged: dict, ranges: dict, args) -> str:
 
 def plot_config(path: str, cfg: str, judged: dict) -> None:
   fig, ax = plt.subplots(figsize=(8, 5))
-  markers = {"stable": "o", "locked in": "s", "diverged": "x"}
+  markers = {"stable": "o", "too high": "^", "locked in": "s", "diverged": "x"}
   variants = sorted({j["variant"] for j in judged.values() if j["config"] == cfg})
   for variant, color in zip(variants, exp_v1_vs_v2.COLORS):
     runs = sorted((j for j in judged.values()
@@ -194,7 +218,7 @@ def plot_config(path: str, cfg: str, judged: dict) -> None:
       if np.isfinite(loss):
         ax.scatter([lr], [loss], color=color, marker=markers[j["outcome"]], s=40, zorder=3)
   ax.set_xscale("log")
-  ax.set_xlabel("peak learning rate (o stable, s locked in, x diverged)")
+  ax.set_xlabel("peak learning rate (o stable, ^ too high, s locked in, x diverged)")
   ax.set_ylabel(f"lowest {SMOOTH_STEPS}-step mean loss")
   ax.set_title(f"{cfg}: learning-rate sweep, one seed")
   ax.legend(fontsize=8)
@@ -221,11 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
     run = exp_common.read_run(os.path.join(args.out_dir, name)) if match else None
     if run and match["variant"] in exp_v1_vs_v2.VARIANTS:
       judged[name] = {**judge(run, args), "variant": match["variant"]}
+  mark_too_high(judged, args.worse_by)
   ranges = stable_range(judged)
   for cfg in sorted({j["config"] for j in judged.values()}):
     plot_config(os.path.join(args.out_dir, f"{cfg}-lr.png"), cfg, judged)
   results = {"environment": env, "definitions": {
-      "smooth_steps": SMOOTH_STEPS, "blowup": args.blowup, "lock_in": args.lock_in},
+      "smooth_steps": SMOOTH_STEPS, "blowup": args.blowup, "lock_in": args.lock_in,
+      "worse_by": args.worse_by},
       "runs": judged, "stable_range": ranges}
   markdown = write_report(env, judged, ranges, args)
   exp_common.write_outputs(args.out_dir, results, markdown)

@@ -212,7 +212,7 @@ def sweep_run(losses, lr, repetition=None, diverged=None):
   return run
 
 
-SWEEP_RULES = argparse.Namespace(blowup=1.0, lock_in=0.5)
+SWEEP_RULES = argparse.Namespace(blowup=1.0, lock_in=0.5, worse_by=1.0)
 CALM = {"top_token_share": 0.1, "repeat_4": 0.05, "distinct_2": 0.9}
 
 
@@ -226,6 +226,20 @@ def test_a_sweep_run_is_judged_stable_diverged_or_locked_in(losses, repetition, 
                                                              outcome):
   j = exp_lr_sweep.judge(sweep_run(losses, 1e-3, repetition, diverged), SWEEP_RULES)
   assert j["outcome"] == outcome
+
+
+def test_a_rate_above_the_best_that_trains_a_nat_worse_is_too_high():
+  lowest = {3e-4: 4.5, 1e-3: 3.0, 3e-3: 2.5, 1e-2: 3.6, 3e-2: 3.4}
+  judged = {lr: {"config": "c", "variant": "v1", "peak_lr": lr, "outcome": "stable",
+                 "why": "", "lowest_smoothed_loss": loss} for lr, loss in lowest.items()}
+  judged[1e-1] = {**judged[3e-2], "peak_lr": 1e-1, "outcome": "diverged",
+                  "lowest_smoothed_loss": 9.0}
+  exp_lr_sweep.mark_too_high(judged, 1.0)
+  # 3e-4 trains 2 nats worse, but below the best rate: too slow, not too high.
+  assert {lr: j["outcome"] for lr, j in judged.items()} == {
+      3e-4: "stable", 1e-3: "stable", 3e-3: "stable", 1e-2: "too high", 3e-2: "stable",
+      1e-1: "diverged"}
+  assert judged[1e-2]["why"] == "lowest loss 1.10 nats above 0.003's"
 
 
 def test_the_stable_range_is_the_largest_stable_rate_and_the_failure_above_it():
@@ -256,7 +270,7 @@ def test_lr_sweep_on_the_cpu(tmp_path, cache_dir):
   assert {"report.md", "results.json", "tiny-lr.png"} <= set(os.listdir(out))
   for name, j in results["runs"].items():
     assert j["steps"] == 6 and j["peak_lr"] == float(name.split("-lr")[1])
-    assert j["outcome"] in ("stable", "diverged", "locked in")
+    assert j["outcome"] in ("stable", "too high", "diverged", "locked in")
   for variant, warmup in (("v1", 0), ("v2", 2)):  # v1's recipe has none, whatever the flag
     with open(out / f"tiny-{variant}-lr0.003" / "config.json") as f:
       assert json.load(f)["warmup_steps"] == warmup
