@@ -7,6 +7,12 @@ optax.clip_by_global_norm; and, as the floor that any clip of N leaves stands on
 function that takes the same leaves (donated) and hands them back unchanged. A case that
 runs past --timeout-s is reported as such. It prints one table and writes JSON.
 
+`--without-result-names` is a diagnostic: it lowers without the `jax.result_info` name
+JAX gives every output. XLA's StableHLO-to-HLO conversion rewrites the whole list of
+result attributes once per result, and the MLIR context keeps every list, so an update
+with n outputs holds O(n^2) attributes: about 3 GB at 20,000 leaves, before any clip.
+The flag shows what compiling costs without that, for the clip and for the floor alike.
+
     python benchmarks/bench_compile.py --leaves 1000,5000,20000
     python benchmarks/bench_compile.py --quick     # 50 leaves: a few seconds on a CPU
 """
@@ -24,13 +30,29 @@ import warnings
 IMPLS = ("ffi", "jax", "optax", "floor")
 
 
-def compile_once(leaves: int, impl: str) -> dict:
+def drop_result_names() -> None:
+  """Lowers every jitted function without per-result names (the diagnostic above)."""
+  from jax._src.interpreters import mlir  # noqa: PLC0415
+
+  lower = mlir.lower_jaxpr_to_fun
+
+  def without_names(*args, **kwargs):
+    kwargs["result_names"] = None
+    return lower(*args, **kwargs)
+
+  mlir.lower_jaxpr_to_fun = without_names
+
+
+def compile_once(leaves: int, impl: str, result_names: bool) -> dict:
   """Runs in the child: one compile, timed."""
   import jax  # noqa: PLC0415 - the parent never imports jax
   import numpy as np  # noqa: PLC0415
   import optax  # noqa: PLC0415
 
   import clipjax  # noqa: PLC0415
+
+  if not result_names:
+    drop_result_names()
 
   # Leaves put on the device from NumPy: `jnp.ones` of each size would compile a program per
   # distinct shape, and those programs' memory would count as the clip's.
@@ -48,11 +70,12 @@ def compile_once(leaves: int, impl: str) -> dict:
   seconds = time.perf_counter() - start
   peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
   return {"leaves": leaves, "impl": impl, "compile_s": seconds, "peak_rss_gb": peak_gb,
-          "jax": jax.__version__, "backend": jax.default_backend()}
+          "result_names": result_names, "jax": jax.__version__,
+          "backend": jax.default_backend()}
 
 
-def run_case(leaves: int, impl: str, timeout_s: float) -> dict:
-  cmd = [sys.executable, __file__, "--child", f"{leaves}:{impl}"]
+def run_case(leaves: int, impl: str, timeout_s: float, result_names: bool) -> dict:
+  cmd = [sys.executable, __file__, "--child", f"{leaves}:{impl}:{int(result_names)}"]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
   except subprocess.TimeoutExpired:
@@ -72,11 +95,13 @@ def main(argv=None):
   p.add_argument("--out", default=None,
                  help="JSON path (default benchmarks/results/bench_compile-<date>-<device>.json)")
   p.add_argument("--quick", action="store_true", help="50 leaves, each case at most 120 s")
+  p.add_argument("--without-result-names", dest="result_names", action="store_false",
+                 help="diagnostic: lower without JAX's per-output names (see above)")
   p.add_argument("--child", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    leaves, impl = args.child.split(":")
-    print(json.dumps(compile_once(int(leaves), impl)))
+    leaves, impl, result_names = args.child.split(":")
+    print(json.dumps(compile_once(int(leaves), impl, bool(int(result_names)))))
     return
   if args.quick:
     args.leaves, args.timeout_s = "50", 120
@@ -84,7 +109,7 @@ def main(argv=None):
   for impl in impls:
     if impl not in IMPLS:
       p.error(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
-  rows = [run_case(int(n), impl, args.timeout_s)
+  rows = [run_case(int(n), impl, args.timeout_s, args.result_names)
           for n in args.leaves.split(",") for impl in impls]
 
   from benchlib import tables  # noqa: PLC0415 - imports jax, which the children must not share
@@ -96,7 +121,8 @@ def main(argv=None):
        ("status", -20, lambda r: r["status"])],
       rows, "impl: ffi andrea_clip (the custom call), jax andrea_clip(impl=\"jax\"), optax "
             "optax.clip_by_global_norm, floor the leaves handed back unchanged (donated); "
-            "float32 leaves of 1-2,000 elements; compile s: lowering and compiling."))
+            "float32 leaves of 1-2,000 elements; compile s: lowering and compiling"
+            + ("." if args.result_names else "; lowered WITHOUT per-output names.")))
   results = {"meta": tables.run_metadata(args), "rows": rows}
   out = args.out or tables.default_out_path("bench_compile", results["meta"])
   tables.save_json(results, out, complete=True)

@@ -67,7 +67,7 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
     return _options.empty_result(tree)
   out, norms, flags = _dispatch.run(
       p.max_norm, p.leaves, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-      scale_by=_options.resolve_scale(scale, feeds_consumer=False,
+      scale_by=_options.resolve_scale(scale, impl=impl, feeds_consumer=False,
                                       num_leaves=len(p.leaves)))
   return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)
 
@@ -172,7 +172,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     del params
     stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
     if spike is None:
-      chosen = _options.resolve_scale(scale, feeds_consumer=True,
+      chosen = _options.resolve_scale(scale, impl=impl, feeds_consumer=True,
                                       num_leaves=state.leaf_norms.shape[0])
       result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                     scale=chosen)

@@ -103,17 +103,19 @@ def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
 FUSED_MAX_LEAVES = 1024
 
 
-def resolve_scale(scale: str, *, feeds_consumer: bool, num_leaves: int) -> str:
+def resolve_scale(scale: str, *, impl: str, feeds_consumer: bool, num_leaves: int) -> str:
   """"fused" or "kernel" for scale="auto" (any other value is returned as it is).
 
   In a transformation whose outputs feed another in the same jit (`andrea_clip` ahead of
   an optimizer), "fused": the multiply joins the optimizer's own elementwise pass, so the
   clip costs one read of the gradients; but "kernel" for a tree of more than
   FUSED_MAX_LEAVES leaves. Where the clipped tree is the result (`clip_tree`), "kernel": it
-  writes only when it clips.
+  writes only when it clips. impl="jax" has no kernel: always "fused".
   """
   if scale != "auto":
     return scale
+  if impl == "jax":
+    return "fused"
   return "fused" if feeds_consumer and num_leaves <= FUSED_MAX_LEAVES else "kernel"
 
 

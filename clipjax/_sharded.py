@@ -156,7 +156,8 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
   if p is None:
     return _options.empty_result(tree)
-  scale_by = _options.resolve_scale(scale, feeds_consumer=False, num_leaves=len(p.leaves))
+  scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=False,
+                                    num_leaves=len(p.leaves))
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
   impl = _dispatch.shard_impl(impl, p.leaves)
 
@@ -198,5 +199,6 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   return _options.make_result(p.treedef, *_shards.clip_shards(
       p.max_norm, p.leaves, leaf_axes, impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
       on_nonfinite=on_nonfinite,
-      scale_by=_options.resolve_scale(scale, feeds_consumer=False, num_leaves=len(p.leaves))),
+      scale_by=_options.resolve_scale(scale, impl=impl, feeds_consumer=False,
+                                      num_leaves=len(p.leaves))),
       p.invalid_max_norm)

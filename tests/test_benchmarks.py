@@ -124,6 +124,27 @@ def test_bench_compile_quick(tmp_path):
   assert all(r["compile_s"] > 0 and r["peak_rss_gb"] > 0 for r in results["rows"])
 
 
+def test_bench_compile_without_result_names(tmp_path, monkeypatch):
+  """The diagnostic lowers without JAX's per-output names, and only that changes."""
+  import jax  # noqa: PLC0415
+  from jax._src.interpreters import mlir  # noqa: PLC0415
+
+  import bench_compile  # noqa: PLC0415
+
+  tree = [jax.numpy.ones(3), jax.numpy.ones(4)]
+  named = jax.jit(lambda t: [x * 2 for x in t]).lower(tree).as_text()
+  assert named.count("jax.result_info") == 2
+  monkeypatch.setattr(mlir, "lower_jaxpr_to_fun", mlir.lower_jaxpr_to_fun)  # restored after
+  bench_compile.drop_result_names()
+  unnamed = jax.jit(lambda t: [x * 3 for x in t]).lower(tree).as_text()
+  assert "jax.result_info" not in unnamed and unnamed.count("stablehlo.multiply") == 2
+  results, stdout = run_quick("bench_compile.py", tmp_path, "--impls", "floor",
+                              "--without-result-names")
+  assert "WITHOUT per-output names" in stdout
+  [row] = results["rows"]
+  assert row["status"] == "ok" and row["result_names"] is False
+
+
 def test_bench_pure_jax_quick(tmp_path):
   results, stdout = run_quick("bench_pure_jax.py", tmp_path)
   assert "PURE JAX AGAINST OPTAX" in stdout

@@ -6,6 +6,8 @@ an unclipped step leaves the gradients bit-identical, and the two give the same 
 runs on the default backend: the CPU handler here, the CUDA kernels on a GPU.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,11 +143,33 @@ def test_fused_leaves_the_multiply_to_xla():
 def test_auto_is_fused_in_the_transform_and_kernel_in_clip_tree():
   from clipjax import _options
   limit = _options.FUSED_MAX_LEAVES
-  assert _options.resolve_scale("auto", feeds_consumer=True, num_leaves=limit) == "fused"
-  assert _options.resolve_scale("auto", feeds_consumer=True, num_leaves=limit + 1) == "kernel"
-  assert _options.resolve_scale("auto", feeds_consumer=False, num_leaves=3) == "kernel"
-  assert _options.resolve_scale("kernel", feeds_consumer=True, num_leaves=3) == "kernel"
-  assert _options.resolve_scale("fused", feeds_consumer=False, num_leaves=10**5) == "fused"
+  resolve = functools.partial(_options.resolve_scale, impl="auto")
+  assert resolve("auto", feeds_consumer=True, num_leaves=limit) == "fused"
+  assert resolve("auto", feeds_consumer=True, num_leaves=limit + 1) == "kernel"
+  assert resolve("auto", feeds_consumer=False, num_leaves=3) == "kernel"
+  assert resolve("kernel", feeds_consumer=True, num_leaves=3) == "kernel"
+  assert resolve("fused", feeds_consumer=False, num_leaves=10**5) == "fused"
+  # The pure-JAX path has no kernel: "auto" is "fused" there, whatever the leaf count.
+  for feeds_consumer in (True, False):
+    assert _options.resolve_scale("auto", impl="jax", feeds_consumer=feeds_consumer,
+                                  num_leaves=limit + 1) == "fused"
+
+
+def test_impl_jax_clips_trees_above_the_fused_limit(monkeypatch):
+  """Above FUSED_MAX_LEAVES, scale="auto" picks the kernel for the custom call only; the
+  pure-JAX path clips such trees as any other (the limit is lowered to keep this fast)."""
+  from clipjax import _options
+  monkeypatch.setattr(_options, "FUSED_MAX_LEAVES", 2)
+  tree = [jnp.full((2,), 3.0), jnp.full((3,), 4.0), jnp.full((1,), 12.0)]
+  expect = [np.asarray(x) / np.sqrt(18 + 48 + 144) for x in tree]
+  tx = clipjax.andrea_clip(1.0, impl="jax")
+  out, state = jax.jit(tx.update)(tree, tx.init(tree))
+  for got, want in zip(out, expect):
+    np.testing.assert_allclose(got, want, rtol=2e-7)
+  assert bool(state.clipped)
+  for fn in (clipjax.clip_tree, functools.partial(clipjax.clip_tree, scale="auto")):
+    result = fn(tree, 1.0, impl="jax")
+    np.testing.assert_allclose(result.updates[2], expect[2], rtol=2e-7)
 
 
 def test_auto_in_the_transform_follows_the_leaf_count():
