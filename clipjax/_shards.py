@@ -22,10 +22,12 @@ few floats per leaf cross devices: one pmax and one psum per group (a group hold
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from clipjax import _ffi, _jax_impl
+
 
 def spec_axes(spec, where: str) -> tuple:
   """The mesh axes named by `spec` (the PartitionSpec of leaf `where`), each once."""
@@ -92,22 +94,28 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   step = _ffi.MAX_LEAVES_PER_CALL
   groups = [members[k:k + step] for members in by_axes.values()
             for k in range(0, len(members), step)]
-  group_roots, group_exps = [], []
-  leaf_roots, leaf_exps = [None] * len(shards), [None] * len(shards)
+  group_roots, group_exps, leaf_roots, leaf_exps = [], [], [], []
   for members in groups:
     # norms = [norm of this device's shards in the group, then one per leaf].
     _, norms, _ = _norms(impl, max_norm, [norm_inputs[i] for i in members], mode)
     roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
     group_roots.append(roots[0])
     group_exps.append(exps[0])
-    for j, i in enumerate(members):
-      leaf_roots[i], leaf_exps[i] = roots[1 + j], exps[1 + j]
+    leaf_roots.append(roots[1:])
+    leaf_exps.append(exps[1:])
   root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
+  # The leaves' norms in group order, then in the tree's: whole arrays, not one scalar per
+  # leaf (at 20,000 leaves, as many slices as leaves cost XLA:CPU seconds to assign).
+  leaf_roots, leaf_exps = jnp.concatenate(leaf_roots), jnp.concatenate(leaf_exps)
+  order = [i for members in groups for i in members]
+  if order != sorted(order):
+    inverse = np.argsort(order)
+    leaf_roots, leaf_exps = leaf_roots[inverse], leaf_exps[inverse]
   # "kernel": one custom call scales every shard (k_grad_scale); else XLA's elementwise
   # ops, which it fuses into their consumers.
   scale_fn = _ffi.scale_call if impl == "ffi" and scale_by == "kernel" else None
-  return _jax_impl.decide_and_scale(max_norm, shards, root, exp, jnp.stack(leaf_roots),
-                                    jnp.stack(leaf_exps), mode=mode, on_nonfinite=on_nonfinite,
+  return _jax_impl.decide_and_scale(max_norm, shards, root, exp, leaf_roots,
+                                    leaf_exps, mode=mode, on_nonfinite=on_nonfinite,
                                     scale_leaves=scale_by is not None, scale_fn=scale_fn)
 
 

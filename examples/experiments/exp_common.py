@@ -52,6 +52,15 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
+def add_report_flags(parser: argparse.ArgumentParser, out_dir: str) -> None:
+  """--out-dir, --report-only and --lock-in: where runs go, and how their report judges."""
+  parser.add_argument("--lock-in", type=float, default=0.5,
+                      help="lock-in: mean top_token_share or repeat_4 of the samples above this")
+  parser.add_argument("--out-dir", default=out_dir)
+  parser.add_argument("--report-only", action="store_true",
+                      help="no training: report the runs already in --out-dir")
+
+
 def split_list(text: str) -> list[str]:
   return [item for item in text.split(",") if item]
 

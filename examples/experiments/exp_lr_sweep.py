@@ -56,11 +56,7 @@ def parse_args(argv):
   p.add_argument("--worse-by", type=float, default=1.0,
                  help="nats of lowest loss above the best rate's that make a higher rate "
                       "too high")
-  p.add_argument("--lock-in", type=float, default=0.5,
-                 help="lock-in: mean top_token_share or repeat_4 of the samples above this")
-  p.add_argument("--out-dir", default="runs/exp-lr-sweep")
-  p.add_argument("--report-only", action="store_true",
-                 help="no training: report the runs already in --out-dir")
+  exp_common.add_report_flags(p, "runs/exp-lr-sweep")
   exp_common.add_train_flags(p)
   args = p.parse_args(argv)
   if args.peak_lr is not None:
@@ -82,7 +78,7 @@ def run_name(cfg: str, variant: str, lr: float) -> str:
 def judge(run: dict, args) -> dict:
   """One run's outcome: diverged, locked in or stable, with the numbers behind it."""
   records, summary, settings = run["records"], run["summary"], run["config"]
-  loss_S = exp_common.column(records, "loss")
+  step_S, loss_S = exp_common.column(records, "step"), exp_common.column(records, "loss")
   norm_S = exp_common.column(records, "grad_norm")
   smooth_S = exp_common.smooth(loss_S, SMOOTH_STEPS)
   nonfinite = np.flatnonzero(~np.isfinite(loss_S))
@@ -90,7 +86,7 @@ def judge(run: dict, args) -> dict:
           if len(smooth_S) and np.isfinite(smooth_S).any() else None)
   locked = exp_common.locked_in(summary, args.lock_in)
   if "diverged" in summary or len(nonfinite):
-    outcome, why = "diverged", (f"NaN/inf loss from step {int(nonfinite[0]) + 1}"
+    outcome, why = "diverged", (f"NaN/inf loss from step {int(step_S[nonfinite[0]])}"
                                 if len(nonfinite) else summary["diverged"])
   elif rise is not None and rise > args.blowup:
     outcome, why = "diverged", f"loss rose {rise:.2f} nats above its lowest"

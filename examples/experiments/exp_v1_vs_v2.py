@@ -68,11 +68,7 @@ def parse_args(argv):
   p.add_argument("--spike-factor", type=float, default=5.0)
   p.add_argument("--spike-window", type=int, default=50)
   p.add_argument("--boundary-radius", type=int, default=3)
-  p.add_argument("--lock-in", type=float, default=0.5,
-                 help="lock-in: mean top_token_share or repeat_4 of the samples above this")
-  p.add_argument("--out-dir", default="runs/exp-v1-vs-v2")
-  p.add_argument("--report-only", action="store_true",
-                 help="no training: report the runs already in --out-dir")
+  exp_common.add_report_flags(p, "runs/exp-v1-vs-v2")
   exp_common.add_train_flags(p)
   return p.parse_args(argv)
 
