@@ -134,7 +134,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       spike threshold, and is flagged in the state (`spike`, `spike_count`) for
       `skip_spikes`. All of it runs on the device, with no host sync and no
       conditional; the clip still reads the gradients once, and its multiply is
-      XLA's (scale="kernel" is refused). Not available with mesh= or specs=.
+      XLA's (scale="kernel" is refused). It works with mesh= and specs= as well.
     mesh: only for code that wants the clip in its own `shard_map` over this
       jax.sharding.Mesh (see `sharded_clip_tree`). Not needed for sharded
       updates under `jax.jit`: there the plain transform already clips each
@@ -152,15 +152,23 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   if spike is not None:
     if not isinstance(spike, ZScoreSpike):
       raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
-    if scale == "kernel" or mesh is not None or specs is not None:
+    if scale == "kernel":
       raise ValueError("clipjax: spike= decides the clip after the norm, with XLA's multiply: "
-                       "it does not combine with scale='kernel', mesh= or specs=")
+                       "it does not combine with scale='kernel'")
+  # The clip, and the pass that yields the norms alone (for spike=), of the tree as given:
+  # whole (or sharded under jit), in a shard_map of the clip's own, or inside the caller's.
   if mesh is not None:
     clip = functools.partial(_sharded.sharded_clip_tree, mesh=mesh, specs=specs)
+    run = functools.partial(_sharded.run_in_shard_map, mesh=mesh, specs=specs)
   elif specs is not None:
     clip = functools.partial(_sharded.clip_tree_in_shard_map, specs=specs)
+    run = functools.partial(_sharded.run_on_shards, specs=specs)
   else:
     clip = clip_tree
+
+    def run(p, tree, **kwargs):
+      del tree  # prepared: p holds its leaves
+      return _dispatch.run(p.max_norm, p.leaves, **kwargs)
 
   def init_fn(params):
     _, leaves, _ = _options.flatten(params)
@@ -177,8 +185,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                     scale=chosen)
     else:
-      result, stats = _clip_with_spikes(updates, max_norm, spike, stats, impl=impl, mode=mode,
-                                        on_nonfinite=on_nonfinite)
+      result, stats = _clip_with_spikes(updates, max_norm, spike, stats, run, impl=impl,
+                                        mode=mode, on_nonfinite=on_nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
     leaf_norms = result.leaf_norms.astype(jnp.float32).reshape(state.leaf_norms.shape)
     return result.updates, AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
@@ -187,15 +195,15 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _clip_with_spikes(tree, max_norm, policy, stats, *, impl, mode, on_nonfinite):
-  """(ClipResult, new SpikeStats): the norms (one read of the leaves), the spike verdict on
-  the global norm, then the decision against the max_norm it gives and XLA's multiply
-  (which XLA fuses into the optimizer, as with scale="fused")."""
+def _clip_with_spikes(tree, max_norm, policy, stats, run, *, impl, mode, on_nonfinite):
+  """(ClipResult, new SpikeStats): the norms (one read of the leaves, by `run`, which clips
+  a prepared tree as it is laid out), the spike verdict on the global norm, then the
+  decision against the max_norm it gives and XLA's multiply (which XLA fuses into the
+  optimizer, as with scale="fused"; on shards, each device multiplies its own)."""
   p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
   if p is None:
     return _options.empty_result(tree), stats
-  _, norms, _ = _dispatch.run(p.max_norm, p.leaves, impl=impl, mode=mode,
-                              on_nonfinite="propagate", scale_by=None)
+  _, norms, _ = run(p, tree, impl=impl, mode=mode, on_nonfinite="propagate", scale_by=None)
   stats, limit = _spike.step(policy, stats, norms[0], p.max_norm)
   # A norm above the float32 range reads as inf here, and counts as non-finite.
   roots, exps = jnp.frexp(norms)

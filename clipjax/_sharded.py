@@ -158,17 +158,28 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
     return _options.empty_result(tree)
   scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=False,
                                     num_leaves=len(p.leaves))
+  return _options.make_result(p.treedef, *run_in_shard_map(
+      p, tree, mesh=mesh, specs=specs, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+      scale_by=scale_by), p.invalid_max_norm)
+
+
+def run_in_shard_map(p, tree, *, mesh, specs, impl, mode, on_nonfinite, scale_by):
+  """The clip of a prepared tree (`_dispatch.prepare`) in a `shard_map` of its own:
+  `(out_leaves or None, norms, flags)`, as `_dispatch.run` returns them."""
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
   impl = _dispatch.shard_impl(impl, p.leaves)
 
   def clip_on_device(max_norm, *shards):
-    return _shards.clip_shards(max_norm, list(shards), leaf_axes, impl=impl, mode=mode,
-                               on_nonfinite=on_nonfinite, scale_by=scale_by)
+    out, norms, flags = _shards.clip_shards(max_norm, list(shards), leaf_axes, impl=impl,
+                                            mode=mode, on_nonfinite=on_nonfinite,
+                                            scale_by=scale_by)
+    return (out, norms, flags) if scale_by else (norms, flags)
 
   replicated = PartitionSpec()
-  clip = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
-                    out_specs=(list(leaf_specs), replicated, replicated))
-  return _options.make_result(p.treedef, *clip(p.max_norm, *p.leaves), p.invalid_max_norm)
+  out_specs = (list(leaf_specs),) * bool(scale_by) + (replicated, replicated)
+  outs = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
+                    out_specs=out_specs)(p.max_norm, *p.leaves)
+  return tuple(outs) if scale_by else (None, *outs)
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
@@ -193,12 +204,19 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
   if p is None:
     return _options.empty_result(tree)
+  scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=False,
+                                    num_leaves=len(p.leaves))
+  return _options.make_result(p.treedef, *run_on_shards(
+      p, tree, specs=specs, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+      scale_by=scale_by), p.invalid_max_norm)
+
+
+def run_on_shards(p, tree, *, specs, impl, mode, on_nonfinite, scale_by):
+  """The clip of a prepared tree of local shards, inside the caller's `shard_map`:
+  `(out_leaves or None, norms, flags)`, as `_dispatch.run` returns them."""
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
                for spec, path in zip(_leaf_specs(specs, tree), p.paths)]
   _check_specs_in_shard_map(p.paths, p.leaves, leaf_axes)
-  return _options.make_result(p.treedef, *_shards.clip_shards(
-      p.max_norm, p.leaves, leaf_axes, impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
-      on_nonfinite=on_nonfinite,
-      scale_by=_options.resolve_scale(scale, impl=impl, feeds_consumer=False,
-                                      num_leaves=len(p.leaves))),
-      p.invalid_max_norm)
+  return _shards.clip_shards(p.max_norm, p.leaves, leaf_axes,
+                             impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
+                             on_nonfinite=on_nonfinite, scale_by=scale_by)

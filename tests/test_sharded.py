@@ -294,6 +294,41 @@ def test_inside_a_users_own_shard_map(devices, impl, check_vma):
     np.testing.assert_array_equal(updates[k], clipped[k])
 
 
+@pytest.mark.parametrize("form", ["mesh", "shard_map"])
+def test_spikes_with_the_explicit_forms_match_one_device(devices, impl, form):
+  """ZScoreSpike with mesh= (the clip's own shard_map) and with specs= (inside the
+  caller's): the same spike verdicts, statistics and updates as on one device."""
+  mesh, d = _mesh2d(), devices // 2
+  specs = {"w": P("data", "model"), "b": P()}
+  policy = clipjax.ZScoreSpike(z=2.0, decay=0.9, warmup_steps=3)
+  scales = [1.0, 1.1, 0.9, 1.0, 1.05, 20.0, 1.0]  # step 6 is a spike
+  stream = [_tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, scale=s,
+                  seed=10 + i) for i, s in enumerate(scales)]
+  whole = clipjax.andrea_clip(5.0, impl=impl, spike=policy)
+  if form == "mesh":
+    sharded = clipjax.andrea_clip(5.0, impl=impl, spike=policy, mesh=mesh, specs=specs)
+    update = jax.jit(sharded.update)
+  else:
+    sharded = clipjax.andrea_clip(5.0, impl=impl, spike=policy, specs=specs)
+    update = jax.jit(jax.shard_map(sharded.update, mesh=mesh, in_specs=(specs, P()),
+                                   out_specs=(specs, P())))
+  want_state, got_state = whole.init(stream[0]), sharded.init(stream[0])
+  spikes = []
+  for grads in stream:
+    want, want_state = jax.jit(whole.update)(grads, want_state)
+    got, got_state = update(_put(grads, mesh, specs), got_state)
+    spikes.append(bool(got_state.spike))
+    assert bool(got_state.spike) == bool(want_state.spike)
+    for field in ("global_norm", "norm_mean", "norm_var", "leaf_norms"):
+      np.testing.assert_allclose(getattr(got_state, field), getattr(want_state, field),
+                                 rtol=1e-5, err_msg=field)
+    for k in grads:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)
+      _assert_placed_as(got[k], mesh, specs[k])
+  assert spikes == [False] * 5 + [True, False]
+  assert int(got_state.spike_count) == int(want_state.spike_count) == 1
+
+
 def test_specs_read_from_the_arrays(devices, impl):
   d = devices // 2
   tree = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)})
