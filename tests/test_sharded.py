@@ -301,9 +301,13 @@ def test_spikes_with_the_explicit_forms_match_one_device(devices, impl, form):
   mesh, d = _mesh2d(), devices // 2
   specs = {"w": P("data", "model"), "b": P()}
   policy = clipjax.ZScoreSpike(z=2.0, decay=0.9, warmup_steps=3)
-  scales = [1.0, 1.1, 0.9, 1.0, 1.05, 20.0, 1.0]  # step 6 is a spike
-  stream = [_tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, scale=s,
-                  seed=10 + i) for i, s in enumerate(scales)]
+  # Each step's tree scaled to these global norms: after the warmup's 1.0, 1.1 and 0.9 the
+  # threshold is about 1.16, so step 6 alone is a spike, whatever the device count.
+  norms = [10.0, 11.0, 9.0, 10.0, 10.5, 200.0, 10.0]
+  stream = []
+  for i, norm in enumerate(norms):
+    tree = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=10 + i)
+    stream.append(jax.tree.map(lambda x, f=norm / f64_norm(tree): x * f, tree))
   whole = clipjax.andrea_clip(5.0, impl=impl, spike=policy)
   if form == "mesh":
     sharded = clipjax.andrea_clip(5.0, impl=impl, spike=policy, mesh=mesh, specs=specs)
