@@ -216,12 +216,18 @@ def _clip_with_spikes(tree, max_norm, policy, stats, run, *, impl, mode, on_nonf
 def named_leaf_norms(opt_state, params) -> dict:
   """{path: norm} of the latest update's leaves, before clipping, e.g.
   {"['layer_0']['kernel']": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
-  `clip_state`) paired with the paths of `params` (the tree the optimizer was made for)."""
+  `clip_state`) paired with the paths of `params` (the tree the optimizer was made for).
+
+  For logging: the norms are Python floats, from one copy to the host. Inside `jax.jit`,
+  where they are traced, each is a traced scalar.
+  """
   paths, _, _ = _options.flatten(params)
   norms = clip_state(opt_state).leaf_norms
   if norms.shape != (len(paths),):
     raise ValueError(f"clipjax: the clip state holds {norms.shape[0]} leaf norms, but params "
                      f"has {len(paths)} leaves; pass the params the optimizer was built for")
+  if not isinstance(norms, jax.core.Tracer):
+    norms = jax.device_get(norms).tolist()
   return {_options.where(path): norms[i] for i, path in enumerate(paths)}
 
 
