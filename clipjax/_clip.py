@@ -62,14 +62,8 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
   `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
   result, and k_grad_scale writes it only when it clips.
   """
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
-  if p is None:
-    return _options.empty_result(tree)
-  out, norms, flags = _dispatch.run(
-      p.max_norm, p.leaves, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-      scale_by=_options.resolve_scale(scale, impl=impl, feeds_consumer=False,
-                                      num_leaves=len(p.leaves)))
-  return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)
+  return _dispatch.clip(_dispatch.run_whole, tree, max_norm, impl=impl, mode=mode,
+                        on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=False)
 
 
 def global_norm(tree, *, impl: str = "auto") -> jax.Array:
@@ -155,20 +149,14 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     if scale == "kernel":
       raise ValueError("clipjax: spike= decides the clip after the norm, with XLA's multiply: "
                        "it does not combine with scale='kernel'")
-  # The clip, and the pass that yields the norms alone (for spike=), of the tree as given:
-  # whole (or sharded under jit), in a shard_map of the clip's own, or inside the caller's.
+  # How the tree is clipped as the caller holds it: whole (or sharded under jit), in a
+  # shard_map of the clip's own, or inside the caller's.
   if mesh is not None:
-    clip = functools.partial(_sharded.sharded_clip_tree, mesh=mesh, specs=specs)
     run = functools.partial(_sharded.run_in_shard_map, mesh=mesh, specs=specs)
   elif specs is not None:
-    clip = functools.partial(_sharded.clip_tree_in_shard_map, specs=specs)
     run = functools.partial(_sharded.run_on_shards, specs=specs)
   else:
-    clip = clip_tree
-
-    def run(p, tree, **kwargs):
-      del tree  # prepared: p holds its leaves
-      return _dispatch.run(p.max_norm, p.leaves, **kwargs)
+    run = _dispatch.run_whole
 
   def init_fn(params):
     _, leaves, _ = _options.flatten(params)
@@ -180,10 +168,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     del params
     stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
     if spike is None:
-      chosen = _options.resolve_scale(scale, impl=impl, feeds_consumer=True,
-                                      num_leaves=state.leaf_norms.shape[0])
-      result = clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-                    scale=chosen)
+      result = _dispatch.clip(run, updates, max_norm, impl=impl, mode=mode,
+                              on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=True)
     else:
       result, stats = _clip_with_spikes(updates, max_norm, spike, stats, run, impl=impl,
                                         mode=mode, on_nonfinite=on_nonfinite)

@@ -103,3 +103,25 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
                                     default=branch(pure_jax))
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
+
+
+def run_whole(p: Prepared, tree, *, impl, mode, on_nonfinite, scale_by):
+  """`run` on a prepared tree as the caller holds it (whole, or sharded under jit): the
+  form that `run_in_shard_map` and `run_on_shards` (`_sharded.py`) take too."""
+  del tree  # p holds its leaves
+  return run(p.max_norm, p.leaves, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+             scale_by=scale_by)
+
+
+def clip(run_prepared, tree, max_norm, *, impl, mode, on_nonfinite, scale, feeds_consumer):
+  """The ClipResult of every entry point: prepare the tree, pick who scales
+  (`_options.resolve_scale`), and clip it by `run_prepared` (`run_whole`, or a sharded
+  form)."""
+  p = prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
+  if p is None:
+    return _options.empty_result(tree)
+  scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=feeds_consumer,
+                                    num_leaves=len(p.leaves))
+  out, norms, flags = run_prepared(p, tree, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                                   scale_by=scale_by)
+  return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm)

@@ -11,6 +11,8 @@ own shards.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -153,19 +155,13 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   Returns:
     A ClipResult; the norms and flags are the same on every device.
   """
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
-  if p is None:
-    return _options.empty_result(tree)
-  scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=False,
-                                    num_leaves=len(p.leaves))
-  return _options.make_result(p.treedef, *run_in_shard_map(
-      p, tree, mesh=mesh, specs=specs, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-      scale_by=scale_by), p.invalid_max_norm)
+  return _dispatch.clip(functools.partial(run_in_shard_map, mesh=mesh, specs=specs), tree,
+                        max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                        scale=scale, feeds_consumer=False)
 
 
 def run_in_shard_map(p, tree, *, mesh, specs, impl, mode, on_nonfinite, scale_by):
-  """The clip of a prepared tree (`_dispatch.prepare`) in a `shard_map` of its own:
-  `(out_leaves or None, norms, flags)`, as `_dispatch.run` returns them."""
+  """`_dispatch.run_whole`'s contract, in a `shard_map` of the clip's own."""
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
   impl = _dispatch.shard_impl(impl, p.leaves)
 
@@ -201,19 +197,13 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   if specs is None:
     raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "
                      "gradients (the in_specs given to shard_map for them)")
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
-  if p is None:
-    return _options.empty_result(tree)
-  scale_by = _options.resolve_scale(scale, impl=impl, feeds_consumer=False,
-                                    num_leaves=len(p.leaves))
-  return _options.make_result(p.treedef, *run_on_shards(
-      p, tree, specs=specs, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
-      scale_by=scale_by), p.invalid_max_norm)
+  return _dispatch.clip(functools.partial(run_on_shards, specs=specs), tree, max_norm,
+                        impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale,
+                        feeds_consumer=False)
 
 
 def run_on_shards(p, tree, *, specs, impl, mode, on_nonfinite, scale_by):
-  """The clip of a prepared tree of local shards, inside the caller's `shard_map`:
-  `(out_leaves or None, norms, flags)`, as `_dispatch.run` returns them."""
+  """`_dispatch.run_whole`'s contract, on local shards inside the caller's `shard_map`."""
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
                for spec, path in zip(_leaf_specs(specs, tree), p.paths)]
   _check_specs_in_shard_map(p.paths, p.leaves, leaf_axes)
