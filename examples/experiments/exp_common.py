@@ -172,6 +172,17 @@ def environment(script: str, argv: list[str] | None) -> dict:
   }
 
 
+def made_by(environments: dict) -> list[str]:
+  """Report lines naming the command, device and date that made each run, runs made by one
+  command together. `environments`: {run name: its environment.json}."""
+  groups: dict[tuple, list[str]] = {}
+  for name, e in environments.items():
+    groups.setdefault((e["command"], e["device"], e["platform"], e["jax"], e["date"]),
+                      []).append(name)
+  return [f"- {', '.join(names)}: `{command}` on {device} ({platform}), jax {jax_version}, "
+          f"{date}" for (command, device, platform, jax_version, date), names in groups.items()]
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

@@ -111,14 +111,21 @@ def judge(run: dict, args) -> dict:
   }
 
 
+def _by_pair(judged: dict) -> dict[tuple, list]:
+  """{(config, variant): its runs' judgements, by ascending peak learning rate}."""
+  by_pair: dict[tuple, list] = {}
+  for j in sorted(judged.values(), key=lambda j: j["peak_lr"]):
+    by_pair.setdefault((j["config"], j["variant"]), []).append(j)
+  return by_pair
+
+
 def mark_too_high(judged: dict, worse_by: float) -> None:
   """Calls "too high" every stable rate above its config and variant's best rate whose
   lowest smoothed loss is more than `worse_by` nats above the best's."""
-  by_pair: dict[tuple, list] = {}
-  for j in judged.values():
-    if j["lowest_smoothed_loss"] is not None:
-      by_pair.setdefault((j["config"], j["variant"]), []).append(j)
-  for runs in by_pair.values():
+  for runs in _by_pair(judged).values():
+    runs = [j for j in runs if j["lowest_smoothed_loss"] is not None]
+    if not runs:
+      continue
     best = min(runs, key=lambda j: j["lowest_smoothed_loss"])
     for j in runs:
       gap = j["lowest_smoothed_loss"] - best["lowest_smoothed_loss"]
@@ -129,12 +136,8 @@ def mark_too_high(judged: dict, worse_by: float) -> None:
 
 def stable_range(judged: dict) -> dict:
   """Per (config, variant): the largest stable rate, and the smallest failure above it."""
-  by_pair: dict[tuple, list] = {}
-  for name, j in judged.items():
-    by_pair.setdefault((j["config"], j["variant"]), []).append(j)
   ranges = {}
-  for (cfg, variant), runs in sorted(by_pair.items()):
-    runs.sort(key=lambda j: j["peak_lr"])
+  for (cfg, variant), runs in sorted(_by_pair(judged).items()):
     stable = [j["peak_lr"] for j in runs if j["outcome"] == "stable"]
     largest = max(stable) if stable else None
     above = [j for j in runs if j["outcome"] != "stable"
@@ -164,12 +167,7 @@ def range_sentence(pair: str, r: dict) -> str:
 def write_report(env, judged: dict, ranges: dict, args) -> str:
   lines = ["# The stable peak learning rate, per recipe and size\n",
            f"Report: `{env['command']}` ({env['date']}). Runs:\n"]
-  made_by = {}
-  for name, j in judged.items():
-    e = j["environment"]
-    made_by.setdefault((e["command"], e["device"], e["jax"], e["date"]), []).append(name)
-  for (command, device, jax_version, date), names in made_by.items():
-    lines.append(f"- {', '.join(names)}: `{command}` on {device}, jax {jax_version}, {date}")
+  lines += exp_common.made_by({name: j["environment"] for name, j in judged.items()})
   lines += ["", f"Diverged: a NaN/inf loss, or a {SMOOTH_STEPS}-step moving-average loss "
             f"that ended more than {args.blowup:g} nats above its lowest. Locked in: the "
             f"samples' mean top_token_share or repeat_4 above {args.lock_in:g}. Too high: a "

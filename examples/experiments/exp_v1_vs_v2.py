@@ -227,14 +227,7 @@ def lock_in_findings(by_run: dict, args) -> list[str]:
 def write_report(env, by_run: dict, args) -> str:
   lines = ["# v1 (no clipping) vs v2 (andrea_clip 1.0): the documents' stability claim\n",
            f"Report: `{env['command']}` ({env['date']}). Runs:\n"]
-  made_by = {}
-  for name, a in by_run.items():
-    e = a["environment"]
-    made_by.setdefault((e["command"], e["device"], e["platform"], e["jax"], e["date"]),
-                       []).append(name)
-  for (command, device, platform, jax_version, date), names in made_by.items():
-    lines.append(f"- {', '.join(names)}: `{command}` on {device} ({platform}), jax "
-                 f"{jax_version}, {date}")
+  lines += exp_common.made_by({name: a["environment"] for name, a in by_run.items()})
   seeds = sorted({a["seed"] for a in by_run.values()})
   lines += ["", (f"Every run has seed {seeds[0]}: the same initial weights, phase boundaries "
                  "and data draws (the bandit's weights follow each run's own losses). "
