@@ -15,7 +15,6 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from clipjax import _jax_impl, _options
 
@@ -80,9 +79,9 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   `scale_by` says who multiplies the leaves by the clip's factor:
   - "kernel": the call runs all three kernels, and `k_grad_scale` writes the clipped leaves
     over its inputs (aliased), only when it clips;
-  - "fused": the call runs the two norm kernels and returns its decision; the multiply is
-    an XLA elementwise op (`_jax_impl.scale_all`) that XLA fuses into whatever consumes
-    the clipped leaves (the optimizer's update inside `optax.chain`);
+  - "fused": the call runs the two norm kernels and returns its decision as multipliers;
+    the multiply is an XLA elementwise op (`_fused_scale`) that XLA fuses into whatever
+    consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
@@ -90,13 +89,13 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   """
   n = len(leaves)
   sizes = [int(np.prod(x.shape)) for x in leaves]
-  chunks = num_chunks(sizes)
   in_place = scale_by == "kernel"
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if in_place else []
   out_types += [
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),
       jax.ShapeDtypeStruct((2,), jnp.int32),
-      jax.ShapeDtypeStruct((_layout().workspace_bytes(chunks, n),), jnp.uint8),
+      jax.ShapeDtypeStruct((n, 4), jnp.float32),
+      jax.ShapeDtypeStruct((_layout().workspace_bytes(num_chunks(sizes), n),), jnp.uint8),
   ]
   aliases = {i + 1: i for i in range(n)} if in_place else {}
   call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
@@ -106,41 +105,24 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
               on_nonfinite=np.int64(_options.NONFINITE_POLICIES.index(on_nonfinite)))
   if in_place:
     return list(outs[:n]), outs[n], outs[n + 1]
-  norms, flags, workspace = outs
+  norms, flags, multipliers, _ = outs
   if scale_by is None:
     return None, norms, flags
-  if mode == "per_tensor":
-    decision = _decision(workspace, chunks, n, n)
-  else:  # one decision for every leaf: scalars
-    decision = [d[0] for d in _decision(workspace, chunks, n, 1)]
-  return _jax_impl.scale_all(*decision, leaves), norms, flags
+  return _fused_scale(multipliers, leaves, per_tensor=mode == "per_tensor"), norms, flags
 
 
-def _decision(workspace, chunks, n, count):
-  """The first `count` entries of the decision table of a call of `n` leaves (a LeafScale
-  per leaf, cuda/andrea_clip_math.h: a float64 factor and a LeafAction) as
-  `_jax_impl.decide` states a decision: (scale, shift, keep, zero_fill), one value each.
-
-  The factor is read from its bits, with no float64 arithmetic (none is needed without
-  jax_enable_x64): it carries float32's 24 significant bits (see `DecideScale`), so it is
-  exactly scale * 2**shift with scale a float32, normal, and shift 0 wherever the factor is
-  a normal float32.
-  """
-  first = _layout().leaf_scale_offset(chunks, n)
-  table = lax.bitcast_convert_type(
-      workspace[first:first + 16 * count].reshape(count, 4, 4), jnp.uint32)
-  low, high, action = table[:, 0], table[:, 1], table[:, 2].astype(jnp.int32)
-  exponent = ((high >> 20) & 0x7FF).astype(jnp.int32)  # float64's biased exponent
-  fraction = ((high & 0xFFFFF) << 3) | (low >> 29)  # float32's 23 fraction bits
-  biased = exponent - 1023 + 127  # as float32's
-  normal = biased >= 1
-  # Below float32's normal range: scale is the factor's mantissa in [0.5, 1) and shift
-  # the rest of its exponent, applied after the multiply in exact steps.
-  bits = (jnp.where(normal, biased, 126).astype(jnp.uint32) << 23) | fraction
-  scale = lax.bitcast_convert_type(bits, jnp.float32)
-  scale = jnp.where(exponent == 0, 0.0, jnp.where(exponent == 0x7FF, jnp.nan, scale))
-  shift = jnp.where(normal | (exponent == 0), 0, biased - 126)
-  return (scale, shift, action == ACTIONS["keep"], action == ACTIONS["zero_fill"])
+def _fused_scale(multipliers, leaves, *, per_tensor):
+  """The leaves times the call's decision, as XLA elementwise ops that XLA fuses into the
+  leaves' consumers. Row i of `multipliers` (cuda/andrea_clip_math.h, `Multipliers`) is
+  leaf i's (scale, low, high, zero), ready for `_jax_impl.scale_leaf`: the consumer reads
+  four floats that the call wrote, with no arithmetic on them in between (no kernel of its
+  own between the call and the consumer). Every row holds the same decision in global
+  mode, which reads row 0."""
+  out = []
+  for i, x in enumerate(leaves):
+    scale, low, high, zero = (multipliers[i if per_tensor else 0, j] for j in range(4))
+    out.append(_jax_impl.scale_leaf(x, scale, low, high, zero != 0))
+  return out
 
 
 def scale_call(scale, shift, keep, zero_fill, leaves):

@@ -30,6 +30,7 @@ struct ClipCall {
   const float* max_norm = nullptr;
   float* norms = nullptr;    // [1 + num_leaves]: global norm, then per leaf
   int32_t* flags = nullptr;  // [2]: clipped, nonfinite
+  Multipliers* multipliers = nullptr;  // [num_leaves]: each leaf's decision, for the fused multiply
   uint8_t* workspace = nullptr;
   ClipWorkspace layout{};
 };

@@ -173,7 +173,8 @@ void NormPartial(const ClipCall& call, double* partials, int64_t* leaf_range) {
   }
 }
 
-// Stage 2 (k_grad_norm_final): per-leaf and global sums, norms and decisions.
+// Stage 2 (k_grad_norm_final): per-leaf and global sums, norms and decisions (as a
+// LeafScale for the scale stage and as Multipliers for the fused multiply).
 void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf_range,
                  double* leaf_sumsq, LeafScale* leaf_scale) {
   const int64_t n = call.num_leaves;
@@ -194,6 +195,7 @@ void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf
     leaf_scale[i] = call.per_tensor
                         ? DecideScale(leaf_sumsq[i], max_norm, call.zero_nonfinite, all_finite)
                         : global;
+    call.multipliers[i] = MultipliersOf(leaf_scale[i]);
     clipped |= leaf_scale[i].action != kKeep;
   }
   if (n == 0) clipped = global.action != kKeep;

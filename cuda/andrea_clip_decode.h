@@ -67,7 +67,8 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
 // `clipjax_andrea_clip`. Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}.
 // Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
 // only computes the norm), norms f32[n + 1] (global norm, then one per leaf),
-// flags s32[2] (clipped, nonfinite), workspace u8[>= MakeClipWorkspace(...).total_bytes].
+// flags s32[2] (clipped, nonfinite), multipliers f32[n, 4] (a Multipliers per leaf),
+// workspace u8[>= MakeClipWorkspace(...).total_bytes].
 inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
                              const ffi::RemainingRets& rets, int64_t mode,
                              int64_t on_nonfinite, std::vector<LeafDesc>* leaves,
@@ -86,11 +87,11 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   }
   const int64_t n = static_cast<int64_t>(args.size());
   const int64_t num_rets = static_cast<int64_t>(rets.size());
-  if (num_rets != n + 3 && num_rets != 3) {
-    return ffi::Error::InvalidArgument("clipjax: expected " + std::to_string(n + 3) + " or 3 results for " +
+  if (num_rets != n + 4 && num_rets != 4) {
+    return ffi::Error::InvalidArgument("clipjax: expected " + std::to_string(n + 4) + " or 4 results for " +
                                        std::to_string(n) + " leaves, got " + std::to_string(num_rets));
   }
-  call->scale_leaves = num_rets == n + 3;
+  call->scale_leaves = num_rets == n + 4;
   call->per_tensor = mode == kModePerTensor;
   call->zero_nonfinite = on_nonfinite == kZero;
   call->max_norm = static_cast<const float*>(max_norm.untyped_data());
@@ -106,9 +107,11 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   const int64_t first = call->scale_leaves ? n : 0;
   auto norms = rets.get<ffi::AnyBuffer>(first);
   auto flags = rets.get<ffi::AnyBuffer>(first + 1);
-  auto workspace = rets.get<ffi::AnyBuffer>(first + 2);
+  auto multipliers = rets.get<ffi::AnyBuffer>(first + 2);
+  auto workspace = rets.get<ffi::AnyBuffer>(first + 3);
   if (!norms.has_value()) return norms.error();
   if (!flags.has_value()) return flags.error();
+  if (!multipliers.has_value()) return multipliers.error();
   if (!workspace.has_value()) return workspace.error();
   if ((*norms)->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>((*norms)->element_count()) != n + 1) {
@@ -118,6 +121,11 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   if ((*flags)->element_type() != ffi::DataType::S32 || (*flags)->element_count() != 2) {
     return ffi::Error::InvalidArgument("clipjax: the flags result must be int32[2]");
   }
+  if ((*multipliers)->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>((*multipliers)->element_count()) != 4 * n) {
+    return ffi::Error::InvalidArgument("clipjax: the multipliers result must be float32[" +
+                                       std::to_string(n) + ", 4]");
+  }
   if ((*workspace)->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>((*workspace)->element_count()) < call->layout.total_bytes) {
     return ffi::Error::InvalidArgument("clipjax: the workspace result must be uint8[>= " +
@@ -125,6 +133,7 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   }
   call->norms = static_cast<float*>((*norms)->untyped_data());
   call->flags = static_cast<int32_t*>((*flags)->untyped_data());
+  call->multipliers = static_cast<Multipliers*>((*multipliers)->untyped_data());
   call->workspace = static_cast<uint8_t*>((*workspace)->untyped_data());
   return ffi::Error::Success();
 }

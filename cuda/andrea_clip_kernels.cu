@@ -63,9 +63,9 @@ constexpr int kSharedLeaves = 4096;  // leaf sums kept in shared memory (32 KB) 
 __global__ void __launch_bounds__(kFinalThreads)
     k_grad_norm_final(int64_t num_leaves, const double* __restrict__ partials,
                       const int64_t* __restrict__ leaf_range, double* __restrict__ leaf_sumsq,
-                      LeafScale* __restrict__ leaf_scale, const float* __restrict__ max_norm_ptr,
-                      float* __restrict__ norms, int32_t* __restrict__ flags, bool per_tensor,
-                      bool zero_nonfinite) {
+                      LeafScale* __restrict__ leaf_scale, Multipliers* __restrict__ multipliers,
+                      const float* __restrict__ max_norm_ptr, float* __restrict__ norms,
+                      int32_t* __restrict__ flags, bool per_tensor, bool zero_nonfinite) {
   __shared__ double shared[kFinalThreads / 32];
   __shared__ double total_shared;
   __shared__ double sums_shared[kSharedLeaves];
@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(kFinalThreads)
     const LeafScale s =
         per_tensor ? DecideScale(sums[i], max_norm, zero_nonfinite, all_finite) : global;
     leaf_scale[i] = s;
+    multipliers[i] = MultipliersOf(s);
     clipped |= s.action != kKeep;
   }
   clipped = __syncthreads_or(clipped);
@@ -334,8 +335,9 @@ cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream) {
   err = Launch(k_grad_norm_final, 1, kFinalThreads, info.pdl, stream, call.num_leaves,
                reinterpret_cast<const double*>(ws + call.layout.partials),
                reinterpret_cast<const int64_t*>(ws + call.layout.leaf_range),
-               reinterpret_cast<double*>(ws + call.layout.leaf_sumsq), leaf_scale, call.max_norm,
-               call.norms, call.flags, call.per_tensor, call.zero_nonfinite);
+               reinterpret_cast<double*>(ws + call.layout.leaf_sumsq), leaf_scale,
+               call.multipliers, call.max_norm, call.norms, call.flags, call.per_tensor,
+               call.zero_nonfinite);
   if (err != cudaSuccess || !call.scale_leaves) return err;
   Stage scale = {call.leaves, call.num_leaves, false, nullptr, nullptr, leaf_scale, call.flags};
   return CopyAndScale(scale, info, stream);

@@ -92,6 +92,33 @@ CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfini
   return Multiply(RoundToFloatMantissa(static_cast<double>(max_norm) / root));
 }
 
+// A decision as the fused multiply applies it (clipjax/_jax_impl.py, `scale_leaf`):
+// zeros where `zero` is 1, else ((x * scale) * low) * high in float32, where low * high
+// is the factor's power of two below float32's normal range, split into two powers of
+// two that are floats themselves (0 below 2**-126). A kept leaf gets 1, 1, 1: x * 1 is x.
+struct Multipliers {
+  float scale, low, high, zero;
+};
+
+CLIPJAX_HD float Pow2Float(int k) { return k < -126 ? 0.0f : ldexpf(1.0f, k); }
+
+CLIPJAX_HD Multipliers MultipliersOf(const LeafScale& s) {
+  Multipliers m = {1.0f, 1.0f, 1.0f, 0.0f};
+  if (s.action == kZeroFill) {
+    m.scale = 0.0f;
+    m.zero = 1.0f;
+  } else if (s.action == kMultiply) {  // a normal float32 factor, 0 or NaN
+    m.scale = static_cast<float>(s.factor);
+  } else if (s.action == kMultiplyWide) {  // factor = mantissa * 2**e, e < -125
+    int e;
+    m.scale = static_cast<float>(frexp(s.factor, &e));  // exact: 24 significant bits
+    const int half = e >= 0 ? e / 2 : -((1 - e) / 2);    // floor(e / 2)
+    m.low = Pow2Float(half);
+    m.high = Pow2Float(e - half);
+  }
+  return m;
+}
+
 // The scale-only call's entry for one leaf: `action` (keep, multiply or zero-fill)
 // with the factor scale * 2**shift, as the pure-JAX decision gives it
 // (clipjax/_jax_impl.py: `decide`).

@@ -1,6 +1,5 @@
 // What both native modules tell the Python wrapper, so that either one alone can
-// size a call's results: the chunk size, the workspace bytes of each call, and where
-// the clip call's workspace holds its decision (a LeafScale per leaf).
+// size a call's results: the chunk size and the workspace bytes of each call.
 #ifndef CLIPJAX_BINDINGS_LAYOUT_H_
 #define CLIPJAX_BINDINGS_LAYOUT_H_
 
@@ -14,9 +13,6 @@ inline void DefineLayout(nanobind::module_& m) {
   m.attr("CHUNK_ELEMS") = kChunkElems;
   m.def("workspace_bytes", [](int64_t num_chunks, int64_t num_leaves) {
     return MakeClipWorkspace(num_chunks, num_leaves).total_bytes;
-  });
-  m.def("leaf_scale_offset", [](int64_t num_chunks, int64_t num_leaves) {
-    return MakeClipWorkspace(num_chunks, num_leaves).leaf_scale;
   });
   m.def("scale_workspace_bytes", [](int64_t num_leaves) { return ScaleWorkspaceBytes(num_leaves); });
 }

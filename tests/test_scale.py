@@ -140,6 +140,28 @@ def test_fused_leaves_the_multiply_to_xla():
     assert calls[0].count("output_operand_alias<") == aliased, (scale, calls[0][:400])
 
 
+@pytest.mark.parametrize("mode", ["global", "per_tensor"])
+def test_fused_multiply_reads_the_calls_decision_directly(mode):
+  """In the compiled step, the custom call's multipliers are read only by the fusions that
+  make the optimizer's leaf-sized results: no kernel of scalars between the call and the
+  optimizer (each would cost a launch on the GPU)."""
+  params = {"a": jnp.ones((64, 32)), "b": jnp.ones((128,))}
+  tx = optax.chain(clipjax.andrea_clip(1.0, impl="ffi", mode=mode), optax.adamw(1e-3))
+  hlo = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+  call = next(line for line in hlo.splitlines() if "clipjax_andrea_clip" in line)
+  name = call.split("=", 1)[0].strip()
+  # Results: norms, flags, multipliers f32[2, 4], workspace.
+  mults = [line.split("=", 1)[0].strip() for line in hlo.splitlines()
+           if f"get-tuple-element({name}), index=2" in line]
+  assert len(mults) == 1, mults
+  readers = [line for line in hlo.splitlines()
+             if f"{mults[0]}," in line or f"{mults[0]})" in line]
+  assert readers
+  for line in readers:
+    result_type = line.split("=", 1)[1].split("fusion(")[0]
+    assert "[64,32]" in result_type or "[128]" in result_type, line[:300]
+
+
 def test_auto_is_fused_in_the_transform_and_kernel_in_clip_tree():
   from clipjax import _options
   limit = _options.FUSED_MAX_LEAVES
