@@ -127,8 +127,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       spike by its running statistics clips to the lower of max_norm and the
       spike threshold, and is flagged in the state (`spike`, `spike_count`) for
       `skip_spikes`. All of it runs on the device, with no host sync and no
-      conditional; the clip still reads the gradients once, and its multiply is
-      XLA's (scale="kernel" is refused). It works with mesh= and specs= as well.
+      conditional; the clip still reads the gradients once, with any `scale`.
+      It works with mesh= and specs= as well.
     mesh: only for code that wants the clip in its own `shard_map` over this
       jax.sharding.Mesh (see `sharded_clip_tree`). Not needed for sharded
       updates under `jax.jit`: there the plain transform already clips each
@@ -143,12 +143,8 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     An optax.GradientTransformation whose state is an AndreaClipState.
   """
   _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
-  if spike is not None:
-    if not isinstance(spike, ZScoreSpike):
-      raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
-    if scale == "kernel":
-      raise ValueError("clipjax: spike= decides the clip after the norm, with XLA's multiply: "
-                       "it does not combine with scale='kernel'")
+  if spike is not None and not isinstance(spike, ZScoreSpike):
+    raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
   # How the tree is clipped as the caller holds it: whole (or sharded under jit), in a
   # shard_map of the clip's own, or inside the caller's.
   if mesh is not None:
@@ -168,35 +164,23 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     del params
     stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
     if spike is None:
-      result = _dispatch.clip(run, updates, max_norm, impl=impl, mode=mode,
-                              on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=True)
+      run_step = run
     else:
-      result, stats = _clip_with_spikes(updates, max_norm, spike, stats, run, impl=impl,
-                                        mode=mode, on_nonfinite=on_nonfinite)
+      # The spike policy only lowers the max_norm this step clips to (known from the
+      # statistics before the norm: see `_spike.clip_limit`); its verdict follows the norm.
+      def run_step(p, tree, **kwargs):
+        return run(p._replace(max_norm=_spike.clip_limit(spike, stats, p.max_norm)), tree,
+                   **kwargs)
+    result = _dispatch.clip(run_step, updates, max_norm, impl=impl, mode=mode,
+                            on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=True)
+    if spike is not None and result.leaf_norms.shape[0]:  # a tree with leaves
+      stats = _spike.step(spike, stats, result.global_norm, result.nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
     leaf_norms = result.leaf_norms.astype(jnp.float32).reshape(state.leaf_norms.shape)
     return result.updates, AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
                                            result.clipped, count, leaf_norms, *stats)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _clip_with_spikes(tree, max_norm, policy, stats, run, *, impl, mode, on_nonfinite):
-  """(ClipResult, new SpikeStats): the norms (one read of the leaves, by `run`, which clips
-  a prepared tree as it is laid out), the spike verdict on the global norm, then the
-  decision against the max_norm it gives and XLA's multiply (which XLA fuses into the
-  optimizer, as with scale="fused"; on shards, each device multiplies its own)."""
-  p = _dispatch.prepare(tree, max_norm, impl, mode, on_nonfinite)
-  if p is None:
-    return _options.empty_result(tree), stats
-  _, norms, _ = run(p, tree, impl=impl, mode=mode, on_nonfinite="propagate", scale_by=None)
-  stats, limit = _spike.step(policy, stats, norms[0], p.max_norm)
-  # A norm above the float32 range reads as inf here, and counts as non-finite.
-  roots, exps = jnp.frexp(norms)
-  out, norms, flags = _jax_impl.decide_and_scale(
-      limit, p.leaves, roots[0], exps[0], roots[1:], exps[1:], mode=mode,
-      on_nonfinite=on_nonfinite, scale_leaves=True)
-  return _options.make_result(p.treedef, out, norms, flags, p.invalid_max_norm), stats
 
 
 def named_leaf_norms(opt_state, params) -> dict:

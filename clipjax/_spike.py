@@ -6,12 +6,13 @@ implementation) for the statistics:
 - warmup: the first `warmup_steps` finite norms initialize the mean and the (population)
   variance of the norm; no step is a spike before that;
 - after it, a norm above `mean + z * sqrt(var)` is a spike, and that step clips to
-  `min(max_norm, mean + z * sqrt(var))`;
+  `min(max_norm, mean + z * sqrt(var))` (`clip_limit`, known before the norm);
 - every finite step then updates the statistics with its effective norm, the threshold on a
   spike step and the norm otherwise: `mean = d * mean + (1 - d) * x`, then
   `var = d * var + (1 - d) * (x - mean)**2` with the new mean;
 - a non-finite norm never enters the statistics (nor the warmup count), so one NaN batch
-  cannot blind the detector.
+  cannot blind the detector; a norm above float32's range from finite leaves is a spike
+  after the warmup (and enters as the threshold), and is left out before it.
 
 Everything here is scalar arithmetic in float32, with selects rather than conditionals.
 """
@@ -66,15 +67,36 @@ def initial_stats() -> SpikeStats:
                     jnp.zeros((), bool), jnp.zeros((), jnp.int32))
 
 
-def step(policy: ZScoreSpike, stats: SpikeStats, norm, max_norm):
-  """(new stats, the max_norm this step clips to) for a step whose global norm is `norm`."""
+def _threshold(policy: ZScoreSpike, stats: SpikeStats):
+  """(warm, threshold): whether the warmup is over, and the spike threshold
+  mean + z * sqrt(var)."""
+  return (stats.norm_count >= policy.warmup_steps,
+          stats.norm_mean + policy.z * jnp.sqrt(stats.norm_var))
+
+
+def clip_limit(policy: ZScoreSpike, stats: SpikeStats, max_norm):
+  """The max_norm this step clips to, known before its norm: min(max_norm, threshold) once
+  the warmup is over, else max_norm.
+
+  Clipping every step to it gives each step the clip the policy asks for, in one call with
+  one operand: a spike (a norm above the threshold) clips to min(max_norm, threshold); any
+  other norm is at or below the threshold, so where the threshold is below max_norm both
+  limits keep it, and elsewhere the limit is max_norm.
+  """
+  warm, threshold = _threshold(policy, stats)
+  return jnp.where(warm, jnp.minimum(max_norm, threshold.astype(max_norm.dtype)), max_norm)
+
+
+def step(policy: ZScoreSpike, stats: SpikeStats, norm, nonfinite) -> SpikeStats:
+  """The statistics after a step whose global norm is `norm` and whose leaves were
+  non-finite where `nonfinite`. A norm above float32's range (inf here, from finite leaves)
+  is a spike once the warmup is over, and enters the statistics as the threshold."""
   norm = jnp.asarray(norm, _F32)
-  finite = jnp.isfinite(norm)
   n = stats.norm_count
-  warm = n >= policy.warmup_steps
-  threshold = stats.norm_mean + policy.z * jnp.sqrt(stats.norm_var)
-  spike = finite & warm & (norm > threshold)
+  warm, threshold = _threshold(policy, stats)
+  spike = ~nonfinite & warm & (norm > threshold)
   x = jnp.where(spike, threshold, norm)
+  enters = jnp.isfinite(x)  # a NaN or inf norm never enters, nor counts toward the warmup
   # Warmup: the running mean and population variance of the first norms (Welford).
   count = (n + 1).astype(_F32)
   delta = x - stats.norm_mean
@@ -86,9 +108,7 @@ def step(policy: ZScoreSpike, stats: SpikeStats, norm, max_norm):
   ema_var = d * stats.norm_var + (1 - d) * jnp.square(x - ema_mean)
   mean = jnp.where(warm, ema_mean, warm_mean)
   var = jnp.where(warm, ema_var, warm_var)
-  new = SpikeStats(jnp.where(finite, mean, stats.norm_mean),
-                   jnp.where(finite, var, stats.norm_var),
-                   n + finite.astype(jnp.int32), spike,
-                   stats.spike_count + spike.astype(jnp.int32))
-  limit = jnp.where(spike, jnp.minimum(max_norm, threshold.astype(max_norm.dtype)), max_norm)
-  return new, limit
+  return SpikeStats(jnp.where(enters, mean, stats.norm_mean),
+                    jnp.where(enters, var, stats.norm_var),
+                    n + enters.astype(jnp.int32), spike,
+                    stats.spike_count + spike.astype(jnp.int32))

@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
     compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py
     compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py "scale call,odd sizes"
-    python scripts/sanitize_kernels.py --groups   # the racecheck groups, one line each
+    python scripts/sanitize_kernels.py --groups   # the groups the sanitizers run, one line each
 
 Inputs are placed with device_put and read back with NumPy, and every reference is computed
 on the host in float64, so the only GPU kernels that run are clipjax's three (and XLA's
@@ -44,10 +44,10 @@ CASES = {
 }
 
 
-# racecheck runs the cases in these groups, one process each: over all of them in one
-# process, and once over five, compute-sanitizer itself crashed (SIGSEGV) on an H200 after
-# cases that passed, with no hazard reported; each group of three or fewer has been clean.
-RACECHECK_GROUPS = ("mixed dtypes,odd sizes,scale call",
+# The sanitizers run the cases in these groups, one process each: over all of them in one
+# process (racecheck, and memcheck at 988e3c9), and once over five, compute-sanitizer itself
+# crashed (SIGSEGV) on an H200 after cases that passed, with no error or hazard reported.
+GROUPS = ("mixed dtypes,odd sizes,scale call",
                     "one big leaf,1100 leaves (two tables),below max_norm",
                     "per tensor,nan propagates,nan zero-fills",
                     "inf propagates,inf zero-fills")
@@ -128,9 +128,9 @@ def all_cases():
 
 def main():
   # Optional: a comma-separated list of case names to run alone (e.g. "scale call"), or
-  # --groups: print the racecheck groups.
+  # --groups: print the groups the sanitizers run.
   if sys.argv[1:] == ["--groups"]:
-    print("\n".join(RACECHECK_GROUPS))
+    print("\n".join(GROUPS))
     return 0
   cases = all_cases()
   only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
