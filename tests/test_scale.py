@@ -140,13 +140,15 @@ def test_fused_leaves_the_multiply_to_xla():
     assert calls[0].count("output_operand_alias<") == aliased, (scale, calls[0][:400])
 
 
-@pytest.mark.parametrize("mode", ["global", "per_tensor"])
-def test_fused_multiply_reads_the_calls_decision_directly(mode):
+@pytest.mark.parametrize("mode,spike", [("global", None), ("per_tensor", None),
+                                        ("global", clipjax.ZScoreSpike())])
+def test_fused_multiply_reads_the_calls_decision_directly(mode, spike):
   """In the compiled step, the custom call's multipliers are read only by the fusions that
   make the optimizer's leaf-sized results: no kernel of scalars between the call and the
-  optimizer (each would cost a launch on the GPU)."""
+  optimizer (each would cost a launch on the GPU), with a spike policy too."""
   params = {"a": jnp.ones((64, 32)), "b": jnp.ones((128,))}
-  tx = optax.chain(clipjax.andrea_clip(1.0, impl="ffi", mode=mode), optax.adamw(1e-3))
+  tx = optax.chain(clipjax.andrea_clip(1.0, impl="ffi", mode=mode, spike=spike),
+                   optax.adamw(1e-3))
   hlo = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
   call = next(line for line in hlo.splitlines() if "clipjax_andrea_clip" in line)
   name = call.split("=", 1)[0].strip()
