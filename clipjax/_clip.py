@@ -73,14 +73,11 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
   Squares are accumulated without overflow or underflow for any input (float64
   in the custom call; rescaling in JAX).
   """
-  _options.check_choice("impl", impl, _options.IMPLS)
-  paths, leaves, _ = _options.flatten(tree)
-  if not leaves:
+  p = _dispatch.prepare(tree, 1.0, impl, "global", "propagate")  # max_norm: any valid one
+  if p is None:
     return jnp.zeros((), jnp.float32)
-  if impl == "ffi":
-    _dispatch.check_ffi(paths, leaves)
-  _, norms, _ = _dispatch.run(jnp.ones((), jnp.float32), leaves, impl=impl, mode="global",
-                              on_nonfinite="propagate", scale_by=None)
+  _, norms, _ = _dispatch.run_whole(p, tree, impl=impl, mode="global",
+                                    on_nonfinite="propagate", scale_by=None)
   return norms[0]
 
 
