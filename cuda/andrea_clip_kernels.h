@@ -14,7 +14,8 @@ namespace clipjax {
 // Enqueues on `stream`:
 //   k_grad_norm_partial  one block per chunk of every leaf -> partials
 //                        (one launch per group of up to kMaxLeavesPerLaunch)
-//   k_grad_norm_final    one block: per-leaf and global sums, norms, decisions
+//   k_grad_norm_final    one block: per-leaf and global sums, norms, decisions (also as
+//                        the fused multiply's Multipliers)
 //   k_grad_scale         as many blocks as the GPU holds, striding over the chunks;
 //                        when nothing clips, each reads one flag and exits
 // On sm_90+ the last two use programmatic dependent launch: they are scheduled

@@ -95,7 +95,8 @@ CLIPJAX_HD LeafScale DecideScale(double sumsq, float max_norm, bool zero_nonfini
 // A decision as the fused multiply applies it (clipjax/_jax_impl.py, `scale_leaf`):
 // zeros where `zero` is 1, else ((x * scale) * low) * high in float32, where low * high
 // is the factor's power of two below float32's normal range, split into two powers of
-// two that are floats themselves (0 below 2**-126). A kept leaf gets 1, 1, 1: x * 1 is x.
+// two that are floats themselves (0 below 2**-126), as `_jax_impl.multipliers` splits
+// the pure-JAX decision. A kept leaf gets 1, 1, 1: x * 1 is x.
 struct Multipliers {
   float scale, low, high, zero;
 };

@@ -1,8 +1,8 @@
 """The custom calls alone, on trees that reach every path of their kernels; for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py
+    compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py "scale call,odd sizes"
     compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py "scale call,odd sizes"
+    python scripts/sanitize_kernels.py            # every case, without a sanitizer
     python scripts/sanitize_kernels.py --groups   # the groups the sanitizers run, one line each
 
 Inputs are placed with device_put and read back with NumPy, and every reference is computed
@@ -48,9 +48,9 @@ CASES = {
 # process (racecheck, and memcheck at 988e3c9), and once over five, compute-sanitizer itself
 # crashed (SIGSEGV) on an H200 after cases that passed, with no error or hazard reported.
 GROUPS = ("mixed dtypes,odd sizes,scale call",
-                    "one big leaf,1100 leaves (two tables),below max_norm",
-                    "per tensor,nan propagates,nan zero-fills",
-                    "inf propagates,inf zero-fills")
+          "one big leaf,1100 leaves (two tables),below max_norm",
+          "per tensor,nan propagates,nan zero-fills",
+          "inf propagates,inf zero-fills")
 
 
 def check(name, leaves, max_norm=1.0, **kw):

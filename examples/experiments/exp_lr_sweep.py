@@ -76,7 +76,8 @@ def run_name(cfg: str, variant: str, lr: float) -> str:
 
 
 def judge(run: dict, args) -> dict:
-  """One run's outcome: diverged, locked in or stable, with the numbers behind it."""
+  """One run's outcome: diverged, locked in or stable, with the numbers behind it ("too
+  high" compares runs, and is `mark_too_high`'s)."""
   records, summary, settings = run["records"], run["summary"], run["config"]
   step_S, loss_S = exp_common.column(records, "step"), exp_common.column(records, "loss")
   norm_S = exp_common.column(records, "grad_norm")
