@@ -187,6 +187,46 @@ def test_skip_spikes_leaves_the_inner_state_as_it_was(impl):
   assert int(state.inner_state[1][0].count) == len(_stream()) - len(SPIKES) - 1
 
 
+def _every_kind_of_state():
+  """An optimizer whose state holds every kind of array (a NaN with a payload, signed zeros,
+  infinities, bfloat16, int8, bool, complex) and changes every element each step."""
+  payload = np.array([0x7FC01234], np.uint32).view(np.float32)[0]
+  floats = np.array([payload, -0.0, 0.0, np.inf, 1.5], np.float32)
+
+  def init(params):
+    del params
+    return {"f32": jnp.asarray(floats), "bf16": jnp.asarray(floats, jnp.bfloat16),
+            "i8": jnp.asarray([-128, 0, 127], jnp.int8), "bool": jnp.asarray([True, False]),
+            "c64": jnp.asarray([1 - 2j, -0.0 + 0j], jnp.complex64)}
+
+  def update(updates, state, params=None):
+    del params
+    new = {"f32": -state["f32"], "bf16": -state["bf16"], "i8": state["i8"] + 1,
+           "bool": ~state["bool"], "c64": jnp.conj(state["c64"]) * 2}
+    return jax.tree.map(lambda u: -u, updates), new
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_skip_spikes_keeps_every_kind_of_state_bit_for_bit():
+  tx = clipjax.skip_spikes(optax.chain(clipjax.andrea_clip(1.0), _every_kind_of_state()))
+  params = _params()
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  kinds = state.inner_state[1]
+  updates, state = step(_grads(0), state, params)  # a finite step: everything changes
+  want = _every_kind_of_state().update(_grads(0), kinds)[1]
+  assert _bits(state.inner_state[1]) == _bits(want)
+  assert all(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  before = state
+  bad = _grads(1)
+  bad["emb"] = bad["emb"].at[3, 3].set(jnp.inf)
+  updates, state = step(bad, state, params)  # skipped: every bit stays
+  assert _bits(state.inner_state[1]) == _bits(before.inner_state[1])
+  assert all(not np.asarray(u).view(np.uint8).any() for u in jax.tree.leaves(updates))
+  assert int(state.skipped_count) == 1
+
+
 def test_skip_spikes_flags_can_be_turned_off():
   tx = _chain("jax", on_spike=False)
   params = _params()
