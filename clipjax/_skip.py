@@ -28,16 +28,18 @@ class SkipSpikesState(NamedTuple):
 def pick(skip, if_skip, otherwise):
   """`if_skip` where the scalar `skip` holds, else `otherwise`, bit for bit.
 
-  On the arrays' bits, as otherwise ^ ((otherwise ^ if_skip) & mask) with mask all ones on
-  a skipped step: the same bits as a select (NaN payloads and signed zeros included). XLA
-  fuses either into the optimizer's pass, but there selects of every moment and update made
-  gpt120m's float32 AdamW step 16% slower on an H200, and these bit operations 4% (see
-  docs/benchmarks.md). Types with no unsigned twin of their width (bool, complex) select.
+  XLA fuses the choice into the optimizer's pass, where its form matters: on gpt120m (one
+  H200, docs/benchmarks.md) selects of every moment and update made the float32 AdamW step
+  16% slower, and the same choice on the bits, otherwise ^ ((otherwise ^ if_skip) & mask)
+  with mask all ones on a skipped step, 2%; in bfloat16, 16-bit integer operations cost
+  5.0% and selects 3.5%. So arrays of 4- and 8-byte elements are chosen on their bits (a
+  select's bits, NaN payloads and signed zeros included), and narrower, boolean or complex
+  ones by a select.
   """
   otherwise = jnp.asarray(otherwise)
   dtype = otherwise.dtype
-  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}.get(dtype.itemsize)
-  if bits is None or dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
+  bits = {4: jnp.uint32, 8: jnp.uint64}.get(dtype.itemsize)
+  if bits is None or jnp.issubdtype(dtype, jnp.complexfloating):
     return jnp.where(skip, if_skip, otherwise)
   a = lax.bitcast_convert_type(jnp.asarray(if_skip, dtype), bits)
   b = lax.bitcast_convert_type(otherwise, bits)
