@@ -77,6 +77,16 @@ def _real_parts(x, dtype):
   return [x.astype(dtype)]
 
 
+def scaled_squares(x):
+  """The squares of the real array x at the three scales (mid, big, small), stacked along
+  a new leading axis, in x's dtype: what `pick_norm` picks from once they are summed."""
+  # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
+  # x^2 * c^2 and fold c^2, which is 0 or inf.
+  factors = lax.optimization_barrier(
+      jnp.asarray([2.0**k for k in _sum_exponents(x.dtype)], x.dtype))
+  return jnp.square(x[None] * factors.reshape((3,) + (1,) * x.ndim))
+
+
 def leaf_sums(x, dtype=_F32):
   """The leaf's three sums of squares (mid, big, small) as one array of 3, in `dtype`.
 
@@ -84,14 +94,9 @@ def leaf_sums(x, dtype=_F32):
   axis and reduced over its own axes, so XLA reads it once (and partitions it like any
   per-leaf reduction: the leaf is neither reshaped nor copied).
   """
-  # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
-  # x^2 * c^2 and fold c^2, which is 0 or inf.
-  factors = lax.optimization_barrier(
-      jnp.asarray([2.0**k for k in _sum_exponents(dtype)], dtype))
   sums = 0
   for part in _real_parts(x, dtype):
-    scaled = part[None] * factors.reshape((3,) + (1,) * part.ndim)
-    sums = sums + jnp.sum(jnp.square(scaled), axis=tuple(range(1, part.ndim + 1)))
+    sums = sums + jnp.sum(scaled_squares(part), axis=tuple(range(1, part.ndim + 1)))
   return sums
 
 

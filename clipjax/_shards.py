@@ -8,15 +8,15 @@ combined over exactly its axes (a replicated leaf is whole on every device, so i
 is not summed again); then every device takes the same decision and scales its own
 shards:
 
-  whole norm  = m * sqrt(psum over the group's axes of (shard norm / m)^2),
-                m = pmax over those axes of the finite shard norms
+  whole norm  = sqrt(psum over the group's axes of shard norm^2)
                 (for each leaf, and for all the group's shards together)
   global norm = the same over the group norms, each kept as root * 2**exponent
 
-Dividing by m and aligning the exponents keeps every square inside the float range,
-and a norm above it keeps its scale (root * 2**exponent) though it reads as inf. Only a
-few floats per leaf cross devices: one pmax and one psum per group (a group holds at most
-`_ffi.MAX_LEAVES_PER_CALL` leaves, the most one custom call takes).
+The squares are summed at three scales at once, as the pure-JAX path sums a leaf's
+elements (`_jax_impl.scaled_squares`, `pick_norm`), so none overflows or underflows, and
+a norm above the float range keeps its scale (root * 2**exponent) though it reads as inf.
+Only a few floats per leaf cross devices: one psum of three per leaf and group (a group
+holds at most `_ffi.MAX_LEAVES_PER_CALL` leaves, the most one custom call takes).
 """
 
 from __future__ import annotations
@@ -47,17 +47,16 @@ def spec_axes(spec, where: str) -> tuple:
 
 def _whole_leaf_norms(shard_norms, axes):
   """Whole norms from this device's shard norms, elementwise, as (root, exponent) with
-  norm = root * 2**exponent, so that a whole norm above the float32 range is kept (a
-  root stays near 1). NaN and inf carry through into the root.
+  norm = root * 2**exponent and the root in [0.5, 1), so that a whole norm above the
+  float range is kept. NaN and inf carry through into the root.
 
-  `shard_norms` are norms of shards of leaves sharded on `axes`.
+  `shard_norms` are norms of shards of leaves sharded on `axes`; one all-reduce.
   """
   if not axes:
     return jnp.frexp(shard_norms)
-  top = lax.pmax(jnp.where(jnp.isfinite(shard_norms), shard_norms, 0), axes)
-  top = jnp.where(top > 0, top, 1).astype(shard_norms.dtype)
-  mantissa, exponent = jnp.frexp(top)
-  return mantissa * jnp.sqrt(lax.psum(jnp.square(shard_norms / top), axes)), exponent
+  root, exponent = _jax_impl.pick_norm(*lax.psum(_jax_impl.scaled_squares(shard_norms), axes))
+  mantissa, shift = jnp.frexp(root)
+  return mantissa, exponent + shift
 
 
 def _norm_of_norms(roots, exps):
