@@ -111,11 +111,19 @@ def test_global_norm_of_sharded_leaves(devices, impl):
 
 
 def test_the_custom_call_runs_per_shard(devices):
+  """Each device clips its own shards; the shard norms of a group of leaves split over the
+  same mesh axes cross devices in one all-reduce (XLA may join some)."""
   mesh, layout = _mesh(), _layout(devices)
   specs, grads = _specs(layout), _tree(layout, seed=1)
   clip = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi").updates)
   hlo = clip.lower(_put(grads, mesh, specs)).compile().as_text()
   assert 'custom_call_target="clipjax_andrea_scale"' in hlo
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  groups = {frozenset(a for a in jax.tree.leaves(tuple(spec)) if sizes[a] > 1)
+            for spec in specs.values()} - {frozenset()}
+  collectives = [op for op, _ in compiled_collectives(hlo)]
+  assert collectives and set(collectives) == {"all-reduce"}, collectives
+  assert len(collectives) <= len(groups), (collectives, groups)
   hlo_dtype = {jnp.float32: "f32", jnp.bfloat16: "bf16"}
   for k, (shape, dtype, spec) in layout.items():
     if NamedSharding(mesh, spec).shard_shape(shape) != shape:  # no buffer holds it whole
