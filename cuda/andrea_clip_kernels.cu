@@ -76,19 +76,22 @@ __global__ void __launch_bounds__(kFinalThreads)
   double* sums = num_leaves <= kSharedLeaves ? sums_shared : leaf_sumsq;
   // Per-leaf sums: one warp per leaf, lanes stride over the leaf's chunks.
   for (int64_t base = warp; base < num_leaves; base += kWarps * kLeavesInFlight) {
-    int64_t first[kLeavesInFlight], count[kLeavesInFlight];
+    // Chunk indices and counts in 32 bits (the table of one call holds far fewer than
+    // 2^31 chunks), so that eight leaves in flight fit the 64 registers per thread that a
+    // 1024-thread block allows, on every architecture.
+    int32_t first[kLeavesInFlight], count[kLeavesInFlight];
     double s[kLeavesInFlight];
 #pragma unroll
     for (int j = 0; j < kLeavesInFlight; ++j) {
       const int64_t i = base + j * kWarps;
-      first[j] = i < num_leaves ? leaf_range[2 * i] : 0;
-      count[j] = i < num_leaves ? leaf_range[2 * i + 1] : 0;
+      first[j] = i < num_leaves ? static_cast<int32_t>(leaf_range[2 * i]) : 0;
+      count[j] = i < num_leaves ? static_cast<int32_t>(leaf_range[2 * i + 1]) : 0;
     }
 #pragma unroll
     for (int j = 0; j < kLeavesInFlight; ++j) s[j] = lane < count[j] ? partials[first[j] + lane] : 0.0;
 #pragma unroll
     for (int j = 0; j < kLeavesInFlight; ++j) {
-      for (int64_t c = lane + 32; c < count[j]; c += 32) s[j] += partials[first[j] + c];
+      for (int32_t c = lane + 32; c < count[j]; c += 32) s[j] += partials[first[j] + c];
       for (int off = 16; off > 0; off >>= 1) s[j] += __shfl_down_sync(0xffffffffu, s[j], off);
     }
     if (lane == 0) {
@@ -355,6 +358,25 @@ cudaError_t LaunchAndreaScale(const ScaleCall& call, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   Stage scale = {call.leaves, call.num_leaves, false, nullptr, nullptr, call.table, nullptr};
   return CopyAndScale(scale, info, stream);
+}
+
+cudaError_t KernelImageFor(int device, int* binary_version, int* ptx_version) {
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // leave no error behind for a later launch to report
+    return err;
+  }
+  cudaFuncAttributes attributes;
+  err = cudaFuncGetAttributes(&attributes, k_grad_norm_final);
+  cudaSetDevice(previous);
+  cudaGetLastError();
+  if (err == cudaSuccess) {
+    *binary_version = attributes.binaryVersion;
+    *ptx_version = attributes.ptxVersion;
+  }
+  return err;
 }
 
 }  // namespace clipjax

@@ -28,6 +28,13 @@ cudaError_t LaunchAndreaClip(const ClipCall& call, cudaStream_t stream);
 //   k_grad_scale         as above (without the flag: it looks up every chunk's leaf)
 cudaError_t LaunchAndreaScale(const ScaleCall& call, cudaStream_t stream);
 
+// Whether this module holds code that `device` can run, as the CUDA runtime decides it
+// for one of the kernels, without launching anything: cudaErrorNoKernelImageForDevice
+// when no compiled architecture fits, cudaErrorInsufficientDriver for a driver older than
+// the runtime linked in. On success, the architecture of the code it picked (e.g. 90) and
+// of the PTX it was made from. The calling thread's current device is kept.
+cudaError_t KernelImageFor(int device, int* binary_version, int* ptx_version);
+
 // Leaves described in one kernel parameter table (passed by value; CUDA 12.1+
 // allows kernel parameters up to 32 KB).
 constexpr int kMaxLeavesPerLaunch = 1000;
