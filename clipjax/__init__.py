@@ -6,7 +6,8 @@ runs three CUDA kernels in one XLA FFI custom call, elsewhere a pure-JAX twin.
 
 from clipjax._clip import (AndreaClipState, andrea_clip, clip_state, clip_tree, global_norm,
                            named_leaf_norms)
-from clipjax._ffi import platforms as ffi_platforms
+from clipjax._native import platforms as ffi_platforms
+from clipjax._version import __version__
 from clipjax._options import ClipResult
 from clipjax._sharded import clip_tree_in_shard_map, sharded_clip_tree
 from clipjax._skip import SkipSpikesState, skip_spikes
@@ -27,4 +28,3 @@ __all__ = [
     "sharded_clip_tree",
     "skip_spikes",
 ]
-__version__ = "0.1.0"

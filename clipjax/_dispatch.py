@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _ffi, _jax_impl, _options, _partition
+from clipjax import _ffi, _jax_impl, _native, _options, _partition
 
 
 def default_platform() -> str:
@@ -32,8 +32,8 @@ def ffi_supports(leaves) -> bool:
 def check_ffi(paths, leaves):
   """impl="ffi" needs a handler for this platform and leaves of a supported dtype."""
   platform = default_platform()
-  if not _ffi.has_handler(platform):
-    raise RuntimeError(_ffi.missing_handler_message(platform))
+  if not _native.has_handler(platform):
+    raise RuntimeError(_native.missing_handler_message(platform))
   for path, x in zip(paths, leaves):
     if jnp.dtype(x.dtype) not in _ffi.SUPPORTED_DTYPES:
       raise TypeError(f"clipjax: impl='ffi' supports float32, bfloat16 and float16 leaves; "
@@ -71,8 +71,15 @@ def shard_impl(impl, leaves) -> str:
   """
   if impl != "auto":
     return impl
-  use_ffi = default_platform() == "cuda" and _ffi.has_handler("cuda") and ffi_supports(leaves)
+  use_ffi = default_platform() == "cuda" and auto_has_custom_call(leaves)
   return "ffi" if use_ffi else "jax"
+
+
+def auto_has_custom_call(leaves) -> bool:
+  """impl="auto": whether the clip of `leaves` holds the custom call's CUDA branch (a usable
+  CUDA handler, leaves of its dtypes). Warns once per process where a CUDA GPU would run
+  the pure-JAX path for want of a usable handler (`_native.cuda_usable`)."""
+  return ffi_supports(leaves) and _native.cuda_usable()
 
 
 def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
@@ -93,7 +100,7 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
     return pure_jax(max_norm, leaves)
   if impl == "ffi":
     return custom_call(max_norm, leaves)
-  if not (_ffi.has_handler("cuda") and ffi_supports(leaves)):
+  if not auto_has_custom_call(leaves):
     return pure_jax(max_norm, leaves)
 
   def branch(fn):

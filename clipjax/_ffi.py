@@ -10,13 +10,11 @@ Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipjax import _jax_impl, _options
+from clipjax import _jax_impl, _native, _options
 
 TARGET = "clipjax_andrea_clip"
 SCALE_TARGET = "clipjax_andrea_scale"
@@ -27,49 +25,8 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 # of 250), so larger trees are clipped by several calls (see `_partition._whole_call`).
 MAX_LEAVES_PER_CALL = 256
 
-_native: dict[str, object] = {}  # "cpu"/"cuda" -> the loaded native module
-_load_errors: dict[str, str] = {}
-
-# (lowering platform, native module): each module hands JAX one handler per target.
-for _platform, _module in (("cpu", "_clipjax_cpu"), ("cuda", "_clipjax_cuda")):
-  try:
-    _native[_platform] = importlib.import_module(f"clipjax.{_module}")
-  except ImportError as e:  # an install without that extension (no nvcc, no CUDA runtime)
-    _load_errors[_platform] = str(e)
-    continue
-  for _target, _capsule in _native[_platform].registrations().items():
-    jax.ffi.register_ffi_target(_target, _capsule, platform=_platform.upper()
-                                if _platform == "cuda" else _platform)
-
-def platforms() -> tuple[str, ...]:
-  """Lowering platforms that have a handler for the custom call."""
-  return tuple(sorted(_native))
-
-
-def has_handler(platform: str) -> bool:
-  return platform.lower() in _native
-
-
-def missing_handler_message(platform: str) -> str:
-  have = ", ".join(platforms()) or "none"
-  why = _load_errors.get(platform.lower())
-  msg = (f"clipjax: impl='ffi' needs a custom-call handler for platform '{platform}', "
-         f"but handlers are registered only for: {have}. Use impl='jax' or impl='auto'.")
-  if why:
-    msg += f" (loading the {platform} handler failed: {why})"
-  return msg
-
-
-def _layout():
-  """A loaded native module, for the sizes of a call's results (every module has them)."""
-  if not _native:
-    raise RuntimeError("clipjax: no native extension is importable: " +
-                       "; ".join(f"{p}: {e}" for p, e in sorted(_load_errors.items())))
-  return next(iter(_native.values()))
-
-
 def num_chunks(sizes) -> int:
-  chunk = _layout().CHUNK_ELEMS
+  chunk = _native.layout().CHUNK_ELEMS
   return sum(max(1, -(-int(n) // chunk)) for n in sizes)
 
 
@@ -95,7 +52,7 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),
       jax.ShapeDtypeStruct((2,), jnp.int32),
       jax.ShapeDtypeStruct((n, 4), jnp.float32),
-      jax.ShapeDtypeStruct((_layout().workspace_bytes(num_chunks(sizes), n),), jnp.uint8),
+      jax.ShapeDtypeStruct((_native.layout().workspace_bytes(num_chunks(sizes), n),), jnp.uint8),
   ]
   aliases = {i + 1: i for i in range(n)} if in_place else {}
   call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
@@ -146,7 +103,7 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
     part = leaves[first:first + MAX_LEAVES_PER_CALL]
     m = len(part)
     out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in part]
-    out_types.append(jax.ShapeDtypeStruct((_layout().scale_workspace_bytes(m),), jnp.uint8))
+    out_types.append(jax.ShapeDtypeStruct((_native.layout().scale_workspace_bytes(m),), jnp.uint8))
     call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
                             input_output_aliases={i + 2: i for i in range(m)},
                             vmap_method="sequential")

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _dispatch, _ffi
+from clipjax import _dispatch, _ffi, _native
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, float("nan"), float("inf"), -float("inf"), True])
@@ -57,7 +57,7 @@ def test_python_float_leaves_are_accepted():
 
 def test_ffi_on_a_platform_without_handler_says_which_have_one(monkeypatch):
   platform = _dispatch.default_platform()  # cpu here, cuda on a GPU machine
-  monkeypatch.delitem(_ffi._native, platform)
+  monkeypatch.delitem(_native._loaded, platform)
   with pytest.raises(RuntimeError, match=rf"platform '{platform}'.*registered only for"):
     clipjax.clip_tree({"g": jnp.ones(3)}, 1.0, impl="ffi")
   # auto and jax still work there

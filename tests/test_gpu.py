@@ -14,13 +14,13 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _ffi
+from clipjax import _native
 from conftest import f64_norm, has_cuda, random_tree
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not has_cuda(), reason="no CUDA device visible to JAX"),
-    pytest.mark.skipif(not _ffi.has_handler("cuda"),
+    pytest.mark.skipif(not _native.has_handler("cuda"),
                        reason="clipjax was built without the CUDA custom call (no nvcc)"),
 ]
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import clipjax
-from clipjax import _ffi
+from clipjax import _ffi, _native
 from conftest import f64_norm
 
-pytestmark = pytest.mark.skipif(not _ffi.platforms(), reason="no clipjax custom-call handler")
+pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
 
 N = 2 * _ffi.MAX_LEAVES_PER_CALL + 3  # three calls' worth
 

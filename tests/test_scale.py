@@ -15,9 +15,9 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _ffi
+from clipjax import _native
 
-pytestmark = pytest.mark.skipif(not _ffi.platforms(), reason="no clipjax custom-call handler")
+pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
 
 SCALES = ("fused", "kernel")
 

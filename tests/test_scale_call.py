@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clipjax import _ffi
+from clipjax import _ffi, _native
 
 F32 = jnp.float32
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-pytestmark = pytest.mark.skipif(not _ffi.platforms(), reason="no clipjax custom-call handler")
+pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
 
 
 def _leaves(seed=0):
