@@ -119,7 +119,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       read of the gradients. "kernel": k_grad_scale writes the clipped updates
       in place (the right choice when nothing consumes them in the same jit).
       The updates are bit-identical either way; the pure-JAX path always
-      leaves the multiply to XLA (see docs/design.md, "Who applies the scale").
+      leaves the multiply to XLA.
     spike: a spike policy (`ZScoreSpike(...)`): a step whose global norm is a
       spike by its running statistics clips to the lower of max_norm and the
       spike threshold, and is flagged in the state (`spike`, `spike_count`) for
@@ -174,10 +174,21 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       stats = _spike.step(spike, stats, result.global_norm, result.nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
     leaf_norms = result.leaf_norms.astype(jnp.float32).reshape(state.leaf_norms.shape)
-    return result.updates, AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
-                                           result.clipped, count, leaf_norms, *stats)
+    new_state = AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
+                                result.clipped, count, leaf_norms, *stats)
+    return result.updates, jax.tree.map(_over, state, new_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _over(old, new):
+  """`new`, as a value written over `old`. Every field of the state is read, so none drops
+  out of the caller's jit as unused: each donated field pairs with its own output, the
+  state keeps its buffers from step to step, and XLA copies nothing and finds every address
+  of its command buffers (CUDA graphs) unchanged, with no update. Left out, the write-only
+  fields (the norms, `clipped`) got new buffers each step and made XLA re-record the whole
+  step's graph: 1-2 ms of the host's time per step on gpt120m."""
+  return jnp.where(True, new, old)
 
 
 def named_leaf_norms(opt_state, params) -> dict:
