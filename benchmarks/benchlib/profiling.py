@@ -44,7 +44,13 @@ def device_seconds(run):
 
 def traced_gpu_planes(run):
   """Runs `run()` under the profiler and returns the GPU planes of its trace ([] if none)."""
-  trace_dir = tempfile.mkdtemp(prefix="benchlib_trace_")
+  return [plane for plane in traced_planes(run) if plane.name.startswith("/device:GPU")]
+
+
+def traced_planes(run, keep_dir=None):
+  """Runs `run()` under the profiler and returns every plane of its trace ([] if none); the
+  trace files stay in `keep_dir` when one is given."""
+  trace_dir = keep_dir or tempfile.mkdtemp(prefix="benchlib_trace_")
   try:
     jax.profiler.start_trace(trace_dir)
     try:
@@ -54,10 +60,23 @@ def traced_gpu_planes(run):
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
       return []
-    return [plane for plane in jax.profiler.ProfileData.from_file(files[0]).planes
-            if plane.name.startswith("/device:GPU")]
+    return list(jax.profiler.ProfileData.from_file(files[0]).planes)
   finally:
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    if keep_dir is None:
+      shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def host_seconds(planes, top=25):
+  """{host event name: seconds} summed over the host planes' threads, the `top` longest:
+  where the host's time went (events nest, so a caller's time includes its callees')."""
+  totals: dict = {}
+  for plane in planes:
+    if not plane.name.startswith("/host"):
+      continue
+    for line in plane.lines:
+      for e in line.events:
+        totals[e.name] = totals.get(e.name, 0.0) + e.duration_ns / 1e9
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
 
 
 def busy_seconds(lines):

@@ -1,0 +1,265 @@
+"""The real training step on the clock a user reads: the example's GPT (examples/model.py)
+forward, backward, clip and AdamW, one jitted call per step, parameters and optimizer state
+donated, no metrics fetched.
+
+For each model, batch and gradient dtype, the variants run in interleaved rounds (each round
+runs every variant for --steps steps, the order rotating from round to round, so that drift
+hits each alike), and each is read on three clocks:
+  - wall per step: from the first call of a round until its last step's results are ready,
+    over the steps;
+  - dispatch per step: the host's time inside the jitted calls (until each call returns);
+  - device per step: the GPU's busy time, from a profiled round (benchlib.profiling).
+The tables give the median over rounds and the spread (lowest to highest round).
+
+Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
+parameters, and so the gradients and AdamW's moments, in bfloat16.
+
+    python benchmarks/bench_train_step.py                      # the GPU run
+    python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
+    python benchmarks/bench_train_step.py --cases andrea-120m:1:f32 --variants none,andrea
+
+docs/benchmarks.md says what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from benchlib import profiling, tables
+from benchlib.cli import Log, choices
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+import model as model_lib  # noqa: E402  (the example's GPT)
+
+import clipjax  # noqa: E402
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+LEARNING_RATE, WEIGHT_DECAY, MAX_NORM = 1e-5, 0.1, 1.0
+# The clip ahead of adamw, by variant: max_norm -> GradientTransformation (None: no clip).
+VARIANTS = {
+    "none": ("adamw alone", None),
+    "andrea": ("andrea_clip + adamw", lambda m: clipjax.andrea_clip(m)),
+    "andrea_kernel": ("andrea_clip(scale=kernel)", lambda m: clipjax.andrea_clip(m, scale="kernel")),
+    "andrea_fused": ("andrea_clip(scale=fused)", lambda m: clipjax.andrea_clip(m, scale="fused")),
+    "andrea_jax": ("andrea_clip(impl=jax)", lambda m: clipjax.andrea_clip(m, impl="jax")),
+    "optax": ("clip_by_global_norm + adamw", optax.clip_by_global_norm),
+}
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+PROFILED_STEPS = 5
+DEFAULT_CASES = ("andrea-120m:1:f32,andrea-120m:1:bf16,andrea-120m:4:f32,andrea-120m:4:bf16,"
+                 "andrea-120m:16:f32,andrea-120m:16:bf16,andrea-12m:4:f32,andrea-12m:4:bf16,"
+                 "andrea-12m:16:f32,andrea-12m:16:bf16")
+log = Log()
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--cases", default=DEFAULT_CASES,
+                 help="comma list of MODEL:BATCH:DTYPE (models: " +
+                 ", ".join(model_lib.MODEL_CONFIGS) + "; dtypes: f32, bf16)")
+  p.add_argument("--variants", default="none,andrea,andrea_kernel,andrea_jax,optax",
+                 help="comma list of: " + ", ".join(VARIANTS))
+  p.add_argument("--context-length", type=int, default=1024)
+  p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+  p.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+  p.add_argument("--no-profile", action="store_true", help="skip the profiled round")
+  p.add_argument("--trace-dir", default=None,
+                 help="keep each variant's profiler trace (host and device rows) here")
+  p.add_argument("--host-events", type=int, default=0,
+                 help="print the host's time per step by profiler event, this many per variant")
+  p.add_argument("--max-seconds", type=float, default=0,
+                 help="start no new case after this many seconds (0: no limit)")
+  p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+  p.add_argument("--quick", action="store_true", help="the tiny model, few steps: a CPU run")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 2
+  args.variants = choices(p, "--variants", args.variants, VARIANTS)
+  args.cases = [parse_case(p, c) for c in args.cases.split(",") if c.strip()]
+  return args
+
+
+def parse_case(parser, text):
+  try:
+    name, batch, dtype = text.strip().split(":")
+    batch = int(batch)
+  except ValueError:
+    parser.error(f"--cases: {text!r} is not MODEL:BATCH:DTYPE")
+  if name not in model_lib.MODEL_CONFIGS or dtype not in DTYPES or batch < 1:
+    parser.error(f"--cases: {text!r}: model one of {', '.join(model_lib.MODEL_CONFIGS)}, "
+                 "batch >= 1, dtype f32 or bf16")
+  return name, batch, dtype
+
+
+def make_model(name, context_length, dtype):
+  """(graphdef, params): the example's GPT with bfloat16 compute, its parameters in
+  `dtype`."""
+  cfg = model_lib.ModelConfig(**{**vars(model_lib.MODEL_CONFIGS[name]),
+                                 "context_length": context_length, "dtype": "bfloat16"})
+  graphdef, params = nnx.split(model_lib.GPT(cfg, nnx.Rngs(0)), nnx.Param)
+  params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
+  return graphdef, params, cfg
+
+
+def make_step(graphdef, tx):
+  """step(params, opt_state, tokens_BxL1) -> (params, opt_state): the example's loss, its
+  gradients, the optimizer; the state donated."""
+  def loss_fn(params, tokens_BxL1):
+    logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV,
+                                                           tokens_BxL1[:, 1:]).mean()
+
+  def step(params, opt_state, tokens_BxL1):
+    grads = jax.grad(loss_fn)(params, tokens_BxL1)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def chain(variant):
+  make_clip = VARIANTS[variant][1]
+  adamw = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+  return optax.chain(make_clip(MAX_NORM), adamw) if make_clip else adamw
+
+
+class Runner:
+  """One variant's jitted step and its state, carried from round to round."""
+
+  def __init__(self, variant, graphdef, params, tokens):
+    tx = chain(variant)
+    self.variant, self.tokens = variant, tokens
+    self.fn = make_step(graphdef, tx)
+    self.state = (jax.tree.map(jnp.copy, params), jax.jit(tx.init)(params))
+    t0 = time.perf_counter()
+    compiled = self.fn.lower(*self.state, tokens).compile()
+    self.compile_s = time.perf_counter() - t0
+    self.hlo = profiling.hlo_summary(compiled.as_text())
+    self.run(2)  # warm-up: the first calls after a compile are slower
+
+  def run(self, steps):
+    """(wall seconds, dispatch seconds) of `steps` steps."""
+    jax.block_until_ready(self.state)
+    dispatch = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      t = time.perf_counter()
+      self.state = self.fn(*self.state, self.tokens)
+      dispatch += time.perf_counter() - t
+    jax.block_until_ready(self.state)
+    return time.perf_counter() - t0, dispatch
+
+  def clip_facts(self):
+    found = [s for s in jax.tree.leaves(self.state[1], is_leaf=lambda x: isinstance(
+        x, clipjax.AndreaClipState)) if isinstance(s, clipjax.AndreaClipState)]
+    return ({"global_norm": float(found[0].global_norm), "clipped": bool(found[0].clipped)}
+            if found else {})
+
+
+def spread(values_ms):
+  return {"median": statistics.median(values_ms), "min": min(values_ms), "max": max(values_ms),
+          "rounds": values_ms}
+
+
+def bench_case(name, batch, dtype, args):
+  graphdef, params, cfg = make_model(name, args.context_length, dtype)
+  tokens = jax.random.randint(jax.random.key(1), (batch, args.context_length + 1), 0,
+                              cfg.vocab_size, jnp.int32)
+  runners = []
+  for v in args.variants:
+    runners.append(Runner(v, graphdef, params, tokens))
+    log(f"{name} batch {batch} {dtype}: {v} compiled in {runners[-1].compile_s:.1f} s")
+  del params
+  wall = {v: [] for v in args.variants}
+  dispatch = {v: [] for v in args.variants}
+  for r in range(args.rounds):
+    order = runners[r % len(runners):] + runners[:r % len(runners)]
+    for runner in order:
+      w, d = runner.run(args.steps)
+      wall[runner.variant].append(w / args.steps * 1e3)
+      dispatch[runner.variant].append(d / args.steps * 1e3)
+  rows = []
+  for runner in runners:
+    device_ms, host_ms = None, {}
+    if not args.no_profile:
+      keep = (os.path.join(args.trace_dir, f"{name}-b{batch}-{dtype}-{runner.variant}")
+              if args.trace_dir else None)
+      planes = profiling.traced_planes(lambda: runner.run(PROFILED_STEPS), keep)
+      busy = {p.name: profiling.busy_seconds(list(p.lines)) for p in planes
+              if p.name.startswith("/device:GPU")}
+      busy = {k: v for k, v in busy.items() if v is not None}
+      device_ms = max(busy.values()) / PROFILED_STEPS * 1e3 if busy else None
+      host_ms = {k: v / PROFILED_STEPS * 1e3
+                 for k, v in profiling.host_seconds(planes).items()}
+    rows.append({"model": name, "batch": batch, "dtype": dtype, "variant": runner.variant,
+                 "label": VARIANTS[runner.variant][0], "tokens_per_step": batch *
+                 args.context_length, "wall_ms": spread(wall[runner.variant]),
+                 "dispatch_ms": spread(dispatch[runner.variant]), "device_ms": device_ms,
+                 "host_ms_by_event": host_ms, "compile_s": runner.compile_s,
+                 "hlo": runner.hlo, **runner.clip_facts()})
+  base = next((r for r in rows if r["variant"] == "none"), None)
+  for row in rows:
+    if base:
+      row["wall_vs_adamw"] = row["wall_ms"]["median"] / base["wall_ms"]["median"]
+      row["dispatch_vs_adamw"] = row["dispatch_ms"]["median"] / base["dispatch_ms"]["median"]
+  return rows
+
+
+def table(rows):
+  def ms(key):
+    return lambda r: f"{r[key]['median']:.2f} ({r[key]['min']:.2f}-{r[key]['max']:.2f})"
+
+  columns = [("model", -11, lambda r: r["model"]), ("B", 3, lambda r: (r["batch"], 0)),
+             ("dtype", -5, lambda r: r["dtype"]), ("step", -28, lambda r: r["label"]),
+             ("wall ms (spread)", 22, ms("wall_ms")),
+             ("vs adamw", 8, lambda r: (r.get("wall_vs_adamw"), 3)),
+             ("dispatch ms (spread)", 22, ms("dispatch_ms")),
+             ("vs adamw", 8, lambda r: (r.get("dispatch_vs_adamw"), 3)),
+             ("device ms", 9, lambda r: (r["device_ms"], 2)),
+             ("fusions", 7, lambda r: (r["hlo"]["fusions"], 0))]
+  return tables.render(
+      "REAL TRAINING STEP (the example's GPT: forward, backward, clip, AdamW), ms per step",
+      columns, rows,
+      "wall: a round's time until its last step's results are ready, per step; dispatch: the "
+      "host's time inside the calls, per step; medians over interleaved rounds, (lowest-"
+      "highest round); vs adamw: over adamw alone's median; device: the GPU's busy time "
+      "(profiler).")
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  meta = tables.run_metadata(args)
+  out = args.out or tables.default_out_path("bench_train_step", meta)
+  results = {"meta": meta, "rows": []}
+  for name, batch, dtype in args.cases:
+    if args.max_seconds and log.elapsed() > args.max_seconds:
+      log(f"time budget spent: skipping {name} batch {batch} {dtype}")
+      continue
+    results["rows"] += bench_case(name, batch, dtype, args)
+    tables.save_json(results, out, complete=False)
+    case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
+                 (name, batch, dtype)]
+    print(table(case_rows), flush=True)
+    for row in case_rows[:len(case_rows) if args.host_events else 0]:
+      events = list(row["host_ms_by_event"].items())[:args.host_events]
+      print(f"host ms per step by event, {row['label']}: " +
+            "; ".join(f"{k[:60]} {v:.3f}" for k, v in events), flush=True)
+  print(table(results["rows"]))
+  tables.save_json(results, out, complete=True)
+  log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
