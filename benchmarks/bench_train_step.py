@@ -32,7 +32,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 

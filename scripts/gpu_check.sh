@@ -33,8 +33,8 @@ record() {  # name, exit code, log
 } 2>&1 | tee "$LOG_DIR/env.txt"
 
 if has build; then
-  $PY -m pip install --no-build-isolation --no-deps -v -e . \
-    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 > "$LOG_DIR/build.log" 2>&1
+  CUDAARCHS=90 $PY -m pip install --no-build-isolation --no-deps -v -e . \
+    > "$LOG_DIR/build.log" 2>&1
   rc=$?
   grep -E "ptxas|registers|spill|warning" "$LOG_DIR/build.log" | head -40
   record build $rc build.log

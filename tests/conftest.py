@@ -1,7 +1,9 @@
 """Shared helpers: float64 references and random gradient trees."""
 
+import importlib.util
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -11,8 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Set in a subprocess that runs a test file on N forced CPU devices: N.
 _DEVICES_ENV = "CLIPJAX_TEST_SHARDED_DEVICES"
+
+
+def load_script(relative_path: str):
+  """A script of the repository (not a package) imported as a module, e.g. the build's
+  `build_support/clipjax_build.py`."""
+  path = ROOT / relative_path
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def f64_norm(tree) -> float:

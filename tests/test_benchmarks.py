@@ -2,7 +2,6 @@
 benchmark's --quick run prints its tables and writes JSON whose numbers agree with each
 other and whose clips agree with float64 (and so with optax's)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -16,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchlib import clips, profiling, timing, trees  # noqa: E402
+from conftest import load_script  # noqa: E402
 
 
 def run_quick(script, tmp_path, *args, **env):
@@ -207,11 +207,7 @@ def test_clips_in_a_loop_are_the_clips_written_out(impl):
 
 
 def sanitize_kernels():
-  spec = importlib.util.spec_from_file_location("sanitize_kernels",
-                                                ROOT / "scripts" / "sanitize_kernels.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("scripts/sanitize_kernels.py")
 
 
 def test_sanitize_kernels_passes_every_case_on_the_cpu_handler():

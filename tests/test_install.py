@@ -7,7 +7,6 @@
 - The build picks its CUDA compiler (build_support/clipjax_build.py) and names the wheel.
 """
 
-import importlib.util
 import subprocess
 import sys
 import warnings
@@ -19,8 +18,7 @@ import pytest
 
 import clipjax
 from clipjax import _native
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 class FakeGpu(NamedTuple):
@@ -168,11 +166,7 @@ def test_version_comes_from_one_place():
 # --- the build's choice of compiler -----------------------------------------------------
 
 def load_build_support():
-  spec = importlib.util.spec_from_file_location("clipjax_build",
-                                                ROOT / "build_support" / "clipjax_build.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("build_support/clipjax_build.py")
 
 
 @pytest.fixture

@@ -5,23 +5,12 @@ performance warning must never fail an install).
 Runs wherever the build found a CUDA compiler (CI has one); no GPU is needed.
 """
 
-import importlib.util
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from clipjax import _native
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def build_support():
-  spec = importlib.util.spec_from_file_location("clipjax_build",
-                                                ROOT / "build_support" / "clipjax_build.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import ROOT, load_script
 
 
 def built_architectures():
@@ -37,7 +26,7 @@ def gencode(arch: str) -> str:
   return f"arch=compute_{number},code={code}"
 
 
-NVCC = build_support().cuda_compiler()
+NVCC = load_script("build_support/clipjax_build.py").cuda_compiler()
 
 
 @pytest.mark.slow
