@@ -10,8 +10,9 @@ One decision, used by every step of a build:
   it builds the CUDA custom call with.
 
 A compiler is looked for in this order: $CUDACXX, `nvcc` on the PATH, $CUDA_HOME,
-$CUDA_PATH, /usr/local/cuda, then NVIDIA's `nvidia-cuda-nvcc` package installed beside
-the build. Setting CLIPJAX_CUDA=0 builds the CPU handler only.
+$CUDA_PATH, then NVIDIA's `nvidia-cuda-nvcc` package installed beside the build (a toolkit
+that none of these names, such as an /usr/local/cuda off the PATH, is not used). Setting
+CLIPJAX_CUDA=0 builds the CPU handler only.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ OFF_VALUES = ("0", "off", "false", "no")
 PIP_COMPILER = ["nvidia-cuda-nvcc>=13.0,<14", "nvidia-cuda-cccl>=13.0,<14"]
 # Where NVIDIA's wheels put the toolkit, relative to a site-packages folder.
 PIP_TOOLKIT = Path("nvidia") / "cu13"
-# Where a CUDA toolkit is installed when neither the environment nor the PATH says.
-DEFAULT_TOOLKITS = ("/usr/local/cuda",)
 # The platforms NVIDIA publishes those wheels for.
 PIP_PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64")}
 
@@ -50,7 +49,7 @@ def system_compiler() -> Path | None:
   on_path = shutil.which("nvcc")
   if on_path:
     return Path(on_path)
-  for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *DEFAULT_TOOLKITS):
+  for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
     if root and (Path(root) / "bin" / "nvcc").is_file():
       return Path(root) / "bin" / "nvcc"
   return None

@@ -175,7 +175,6 @@ def no_system_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setenv("PATH", str(tmp_path))
   build = load_build_support()
-  monkeypatch.setattr(build, "DEFAULT_TOOLKITS", ())
   monkeypatch.setattr(build, "PIP_TOOLKIT", Path("no-such-toolkit"))  # as in jax[cuda13]
   return build
 
