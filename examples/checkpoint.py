@@ -15,6 +15,10 @@ atomically). A checkpoint is used only if:
 
 Otherwise one line names it and what is wrong, it is moved aside (to CHECKPOINTS-unusable/)
 and the next older checkpoint is tried.
+
+In a run of several processes every process saves and restores its own shards (Orbax's
+multi-host checkpointing); process 0 alone writes the checksums and moves unusable
+checkpoints aside, and its verdict on a checkpoint's files is every process's.
 """
 
 import hashlib
@@ -23,9 +27,10 @@ import os
 import shutil
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+import distributed
 import metrics
 
 CHECKSUMS = "clipjax-checksums.json"
@@ -57,8 +62,15 @@ def directory_bytes(directory: str) -> int:
 
 
 def all_finite(tree) -> bool:
-  return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(tree)
-             if np.issubdtype(np.asarray(x).dtype, np.inexact))
+  """Whether every float array in `tree` is finite: reduced on the devices, where the
+  arrays are, to one replicated answer (no array is fetched)."""
+  floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return bool(_all_finite(floats))
+
+
+@jax.jit
+def _all_finite(floats):
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
 
 
 class RunCheckpoints:
@@ -67,8 +79,9 @@ class RunCheckpoints:
     """fresh: delete the checkpoints an earlier run left in this directory (the caller
     asks before it does); keep: how many of the latest checkpoints are kept."""
     self.directory = os.path.abspath(directory)
-    if fresh and os.path.isdir(self.directory):
+    if fresh and os.path.isdir(self.directory) and distributed.is_main():
       shutil.rmtree(self.directory)
+    distributed.barrier("the checkpoint directory is ready")
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
@@ -85,8 +98,10 @@ class RunCheckpoints:
         arrays=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
         host=ocp.args.JsonSave(host_state)), force=True)
     self._manager.wait_until_finished()
-    digests = _file_digests(self.step_dir(step))
-    metrics.write_json_atomic(os.path.join(self.step_dir(step), CHECKSUMS), digests)
+    if distributed.is_main():
+      digests = _file_digests(self.step_dir(step))
+      metrics.write_json_atomic(os.path.join(self.step_dir(step), CHECKSUMS), digests)
+    distributed.barrier(f"checkpoint {step} is saved")
     return self.step_dir(step)
 
   def _problem(self, step: int) -> str | None:
@@ -109,7 +124,9 @@ class RunCheckpoints:
     exist but none is usable, raises CheckpointError."""
     tried = []
     for step in reversed(self.steps()):
-      problem = self._problem(step)
+      problem = self._problem(step) if distributed.is_main() else None
+      if not distributed.agree(problem is None):  # process 0's verdict holds for all
+        problem = problem or "process 0 found its files changed"
       if problem is None:
         try:
           host = self._manager.restore(step, args=ocp.args.Composite(
@@ -127,8 +144,10 @@ class RunCheckpoints:
       tried.append(step)
       # Moved aside (kept for a look), so that this run can save its own checkpoint there.
       aside = os.path.join(f"{self.directory}-unusable", str(step))
-      shutil.rmtree(aside, ignore_errors=True)
-      shutil.move(self.step_dir(step), aside)
+      if distributed.is_main():
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.move(self.step_dir(step), aside)
+      distributed.barrier(f"checkpoint {step} is moved aside")
       self._manager.reload()
       log(f"checkpoint {self.step_dir(step)} is unusable: {problem}; moved to {aside}, "
           "trying an older one")

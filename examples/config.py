@@ -4,13 +4,14 @@ A TrainConfig field left None is filled by `resolve`: from the recipe first (REC
 then from the config's preset (PRESETS); an explicit value always wins. The andrea
 presets follow the ANDREA documents (peak lr 3e-4, a 2000-step warmup, so step 1 has lr
 1.5e-7); `tiny` uses a higher peak and a short warmup so it learns within minutes on a
-CPU.
+CPU. "auto" settings (dtype, attention) are resolved for the platform the run is on.
 """
 
 import argparse
 import dataclasses
 import os
 
+import jax
 import numpy as np
 
 import bandit
@@ -38,10 +39,21 @@ class TrainConfig:
   # "off"; "zscore": andrea_clip(spike=ZScoreSpike()) clips spikes to their threshold;
   # "skip": that, inside clipjax.skip_spikes, which skips spike and NaN/inf steps.
   spike: str = "off"
-  dtype: str = "float32"
+  # Computation dtype ("auto": bfloat16 on GPUs and TPUs, float32 on CPUs); parameters
+  # and optimizer state are float32 either way.
+  dtype: str = "auto"
+  attention: str = "auto"  # "auto": cudnn on a GPU in bfloat16, else xla (model.py)
+  remat: str = "none"  # recompute activations in the backward pass: none, block, dots
+  log_every: int = 10  # steps whose metrics are fetched from the devices in one go
+  peak_tflops: float | None = None  # the devices' dense peak for MFU; None: throughput.py
   # "data=N,fsdp=M" (sharding.py); None: every visible device on the data axis. Not part
   # of the run's identity: a run resumes on another mesh with the same losses.
   mesh: str | None = None
+  # A run of several processes (distributed.py): JAX's cluster detection, else these.
+  coordinator: str | None = None  # HOST:PORT of process 0's coordination service
+  num_processes: int | None = None
+  process_id: int | None = None
+  heartbeat_timeout_s: int = 100  # a process silent this long stops the others
   vocab_size: int = model_lib.ANDREA_VOCAB_SIZE
   seed: int = 0
   sources: tuple[str, ...] = ()  # "NAME=PATH_OR_GLOB"; unnamed sources use the default
@@ -79,7 +91,8 @@ RECIPES = {
 }
 CHOICES = {"config": tuple(PRESETS), "recipe": tuple(RECIPES),
            "clip_impl": ("auto", "jax", "ffi"), "clip_mode": ("global", "per_tensor"),
-           "spike": ("off", "zscore", "skip"), "dtype": ("float32", "bfloat16")}
+           "spike": ("off", "zscore", "skip"), "dtype": ("auto", "float32", "bfloat16"),
+           "attention": ("auto", "xla", "cudnn"), "remat": tuple(model_lib.REMAT_CHOICES)}
 # Settings a resumed run must share with the checkpoint for its losses to be the same.
 RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "peak_lr",
                 "warmup_steps", "weight_decay", "max_norm", "end_lr_ratio", "clip_mode",
@@ -90,8 +103,9 @@ class ConfigError(ValueError):
   """A setting that cannot be used; the message names the flag."""
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
-  """Fills the None fields from the recipe and the preset, and checks every setting."""
+def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
+  """Fills the None fields from the recipe and the preset, the "auto" ones for `platform`
+  (default: JAX's default backend), and checks every setting."""
   for field, choices in CHOICES.items():
     if getattr(cfg, field) not in choices:
       raise ConfigError(f"--{field.replace('_', '-')} {getattr(cfg, field)!r}: "
@@ -101,8 +115,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
+  cfg = dataclasses.replace(cfg, **resolve_for_platform(cfg, platform or jax.default_backend()))
   positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
-              "sample_tokens", "nonfinite_stop", "keep_checkpoints")
+              "sample_tokens", "nonfinite_stop", "keep_checkpoints", "log_every")
   for field in positive:
     if not getattr(cfg, field) > 0:
       raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
@@ -124,6 +139,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   if cfg.resume and cfg.overwrite:
     raise ConfigError("--resume continues the run in --out-dir and --overwrite replaces it: "
                       "choose one")
+  if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+    raise ConfigError(f"--peak-tflops must be > 0, got {cfg.peak_tflops}")
   if cfg.time_limit_s is not None and not cfg.time_limit_s > 0:
     raise ConfigError(f"--time-limit-s must be > 0, got {cfg.time_limit_s}")
   try:
@@ -133,6 +150,21 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   if not 0 <= cfg.bandit_config.smoothing < 1:
     raise ConfigError(f"--bandit-smoothing must be in [0, 1), got {cfg.bandit_config.smoothing}")
   return cfg
+
+
+def resolve_for_platform(cfg: TrainConfig, platform: str) -> dict:
+  """The dtype and attention implementation of a run on `platform` ("cpu", "gpu", ...)."""
+  dtype = cfg.dtype
+  if dtype == "auto":
+    dtype = "float32" if platform == "cpu" else "bfloat16"
+  attention = cfg.attention
+  if attention == "auto":
+    attention = "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
+  if attention == "cudnn" and (platform != "gpu" or dtype != "bfloat16"):
+    raise ConfigError(f"--attention cudnn runs on NVIDIA GPUs in bfloat16 (cuDNN's flash "
+                      f"attention); this run is on {platform} in {dtype}: use --attention "
+                      "xla, or --dtype bfloat16 on a GPU")
+  return {"dtype": dtype, "attention": attention}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, TrainConfig]:
@@ -169,10 +201,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                       "to their threshold; skip: also skip spike and NaN/inf steps "
                       "(clipjax.skip_spikes) (default: %(default)s)")
   p.add_argument("--dtype", default=d.dtype, choices=CHOICES["dtype"],
-                 help="computation dtype; parameters stay float32 (default: %(default)s)")
+                 help="computation dtype; parameters stay float32 (default: %(default)s: "
+                      "bfloat16 on GPUs and TPUs, float32 on CPUs)")
+  p.add_argument("--attention", default=d.attention, choices=CHOICES["attention"],
+                 help="jax.nn.dot_product_attention's implementation (default: "
+                      "%(default)s: cudnn on a GPU in bfloat16, else xla)")
+  p.add_argument("--remat", default=d.remat, choices=CHOICES["remat"],
+                 help="recompute each block's activations in the backward pass: all "
+                      "(block), all but the matmuls' outputs (dots) (default: %(default)s)")
   p.add_argument("--mesh", metavar="data=N,fsdp=M",
                  help="device mesh: batches split over data (and fsdp), parameters and "
                       "optimizer state over fsdp (default: every visible device on data)")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="a run of several processes: process 0's address, the same for "
+                      "all (default: JAX's cluster detection, else JAX_COORDINATOR_ADDRESS)")
+  p.add_argument("--num-processes", type=int,
+                 help="a run of several processes: how many (default: JAX's cluster "
+                      "detection, else JAX_NUM_PROCESSES)")
+  p.add_argument("--process-id", type=int,
+                 help="a run of several processes: this one's, 0 to N-1 (default: JAX's "
+                      "cluster detection, else JAX_PROCESS_ID)")
+  p.add_argument("--heartbeat-timeout-s", type=int, default=d.heartbeat_timeout_s,
+                 help="a run of several processes: when one dies, the others stop with "
+                      "an error after this many seconds (default: %(default)s)")
   p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                  help="BPE vocabulary (default: %(default)s)")
   p.add_argument("--seed", type=int, default=d.seed,
@@ -206,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--time-limit-s", type=float,
                  help="end the run, with its report and samples, once this many seconds "
                       "have passed (the schedule still spans --steps)")
+  p.add_argument("--log-every", type=int, default=d.log_every,
+                 help="fetch the metrics from the devices every this many steps, in one "
+                      "go (default: %(default)s)")
+  p.add_argument("--peak-tflops", type=float,
+                 help="the dense peak TFLOP/s of one device, for the MFU line (default: "
+                      "known for H100 and H200 SXM: 989, bf16)")
   p.add_argument("--nonfinite-stop", type=int, default=d.nonfinite_stop,
                  help="stop after this many steps in a row whose loss or gradient norm is "
                       "NaN/inf; no checkpoint holding NaN is ever saved (default: %(default)s)")

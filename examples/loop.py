@@ -2,30 +2,28 @@
 
 `train(cfg)` runs (or resumes) a run and returns every metrics record of it so far:
 
+  distributed.launch  joins the run's other processes, if it has any
   open_run_dir   refuses a directory that holds an earlier run, unless --resume or
                  --overwrite
   load_data      the sources (held-out text split off), the tokenizer, the token streams
   make_mesh      the device mesh (--mesh) and the batch sharding
-  init_model     the GPT's graph and initial parameters, sharded on the mesh
+  init_model     the GPT's graph and initial parameters, made on the mesh
   restore        on --resume, the latest usable checkpoint
-  run_steps      phases and the bandit, the jitted step, the metrics log, checkpoints
+  steps.run_steps  phases and the bandit, the jitted step, the metrics log, checkpoints
   report         summary.json, report.png and samples.txt, once the last step is done
 
-The metrics of step s are fetched from the device while step s + 1 runs (`fetch_pending`),
-so the host does not wait for the accelerator between steps.
+`start` and `finish` are the parts before and after the steps, for callers that run the
+steps themselves (benchmark.py).
 """
 
-import bisect
-import contextlib
 import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Callable
+from typing import Any
 
 import clipjax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -33,15 +31,19 @@ from tqdm import tqdm
 import bandit
 import checkpoint
 import corpus
+import distributed
 import metrics
 import model as model_lib
 import pipeline
 import report
 import sharding
 import status
+import steps
+import throughput
 import tokenizer as tokenizer_lib
 import train_step as train_step_lib
 from config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
+from steps import State, TrainingDiverged  # noqa: F401 - the loop's API
 
 # What a run writes into its directory; an earlier run is recognised by any of them.
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",
@@ -49,10 +51,6 @@ RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "rep
 # Errors in what the user gave: a flag, a source, the run directory. One line, no traceback.
 USER_ERRORS = (ConfigError, corpus.SourceError, checkpoint.CheckpointError,
                sharding.MeshError)
-
-
-class TrainingDiverged(Exception):
-  """The loss or the gradient norm stayed NaN/inf for --nonfinite-stop steps in a row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,40 +61,38 @@ class Data:
   prompts: list[str]  # the sample prompts: --prompt, else cut from the held-out text
 
 
-@dataclasses.dataclass
-class State:
-  """What changes from step to step."""
-  params: Any
-  opt_state: Any
-  bandit: bandit.BanditState
-  step_done: int  # the last step whose update is in params
-  pending: tuple | None = None  # (step, phase, device metrics) not yet fetched
-  last_time: float = 0.0  # when the previous step's metrics were fetched
-  nonfinite_steps: list[int] = dataclasses.field(default_factory=list)  # the latest run
-
-
 @dataclasses.dataclass(frozen=True)
-class Loop:
-  """What the steps of one run share."""
-  cfg: TrainConfig
-  mesh: Any  # jax.sharding.Mesh
-  train_step: Callable
-  prefetcher: pipeline.Prefetcher
-  checkpoints: checkpoint.RunCheckpoints
-  log: metrics.MetricsLog
-  say: Callable[[str], None]  # one line, above the progress bar
-  bar: tqdm
-  identity: dict  # the settings a resume must share, saved in every checkpoint
-  phase_starts: list[int]
-  last_step: int
-  started: float
-  leaf_names: list[str]  # the paths of the clip state's leaf norms ([] without a clip)
+class Run:
+  """A started run: its steps' loop and state, and what the report needs."""
+  loop: steps.Loop
+  state: State
+  data: Data
+  graphdef: Any
 
 
 def train(cfg: TrainConfig) -> list[dict]:
   """Runs (or resumes) training; returns every metrics record of the run so far."""
-  cfg = resolve(cfg)
+  run = start(cfg)
+  try:
+    stopped_at = steps.run_steps(run.loop, run.state)
+  finally:
+    finish(run)
+  cfg = run.loop.cfg
+  if run.loop.last_step == cfg.steps:
+    report.write_report(cfg, run.loop.log.records, run.graphdef, run.state.params,
+                        run.data.tokenizer, run.data.prompts, run.loop.started, stopped_at,
+                        run.loop.flops_per_token, run.loop.peak_flops)
+  distributed.barrier("the run is complete")
+  return run.loop.log.records
+
+
+def start(cfg: TrainConfig) -> Run:
+  """Everything before the first step: processes, run directory, data, model, optimizer,
+  the jitted step, and the restored state on --resume."""
   started = time.perf_counter()
+  distributed.launch(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                     cfg.heartbeat_timeout_s)
+  cfg = resolve(cfg)
   mesh = make_mesh(cfg)
   open_run_dir(cfg)
   data = load_data(cfg)
@@ -111,31 +107,38 @@ def train(cfg: TrainConfig) -> list[dict]:
   identity["corpus"] = data.corpus_key
   state = restore(cfg, checkpoints, params, opt_state, identity)
   log = open_metrics_log(cfg, state.step_done)
-  metrics.write_json_atomic(os.path.join(cfg.out_dir, "config.json"), dataclasses.asdict(cfg))
+  if distributed.is_main():
+    metrics.write_json_atomic(os.path.join(cfg.out_dir, "config.json"),
+                              dataclasses.asdict(cfg))
   last_step = cfg.stop_after_step or cfg.steps
-  bar = tqdm(total=last_step, initial=state.step_done, disable=not cfg.progress,
+  bar = tqdm(total=last_step, initial=state.step_done,
+             disable=not (cfg.progress and distributed.is_main()),
              desc=f"{cfg.config} {cfg.recipe}", dynamic_ncols=True)
-  loop = Loop(
-      cfg=cfg, mesh=mesh, train_step=train_step,
+  model_cfg = model_config(cfg)
+  loop = steps.Loop(
+      cfg=cfg, train_step=train_step,
       prefetcher=pipeline.Prefetcher(data.streams, seed=cfg.seed, batch_size=cfg.batch_size,
                                      context_length=cfg.context_length,
                                      sharding=sharding.batch_sharding(mesh)),
-      checkpoints=checkpoints, log=log, say=bar.write if cfg.progress else status.say,
+      checkpoints=checkpoints, log=log,
+      say=bar.write if cfg.progress and distributed.is_main() else status.say,
       bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
       last_step=last_step, started=started,
-      leaf_names=list(clipjax.named_leaf_norms(opt_state, params)) if cfg.max_norm > 0 else [])
-  loop.say(describe_start(cfg, mesh, state))
-  try:
-    stopped_at = run_steps(loop, state)
-  finally:
-    loop.prefetcher.close()
-    checkpoints.close()
-    log.close()
-    bar.close()
-  if last_step == cfg.steps:
-    report.write_report(cfg, log.records, graphdef, state.params, data.tokenizer,
-                        data.prompts, started, stopped_at)
-  return log.records
+      leaf_names=list(clipjax.named_leaf_norms(opt_state, params)) if cfg.max_norm > 0 else [],
+      flops_per_token=throughput.flops_per_token(
+          params, num_layers=model_cfg.num_layers, d_model=model_cfg.d_model,
+          context_length=cfg.context_length),
+      peak_flops=throughput.peak_flops(mesh.devices.flat, cfg.peak_tflops))
+  loop.say(describe_start(cfg, mesh, state, loop.peak_flops))
+  return Run(loop, state, data, graphdef)
+
+
+def finish(run: Run) -> None:
+  """Stops the batch thread and closes the checkpoints, the log and the progress bar."""
+  run.loop.prefetcher.close()
+  run.loop.checkpoints.close()
+  run.loop.log.close()
+  run.loop.bar.close()
 
 
 # --- Before the first step --------------------------------------------------------
@@ -149,11 +152,12 @@ def open_run_dir(cfg: TrainConfig) -> None:
     raise ConfigError(
         f"--out-dir {cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass "
         "--resume to continue it or --overwrite to replace it")
-  if cfg.overwrite:
+  if cfg.overwrite and distributed.is_main():
     for name in earlier:
       path = os.path.join(cfg.out_dir, name)
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   os.makedirs(cfg.out_dir, exist_ok=True)
+  distributed.barrier("the run directory is ready")
 
 
 def load_data(cfg: TrainConfig) -> Data:
@@ -184,18 +188,26 @@ def make_mesh(cfg: TrainConfig):
   return mesh
 
 
+def model_config(cfg: TrainConfig) -> model_lib.ModelConfig:
+  return dataclasses.replace(
+      model_lib.MODEL_CONFIGS[cfg.config], vocab_size=cfg.vocab_size,
+      context_length=cfg.context_length, dtype=cfg.dtype, attention=cfg.attention,
+      remat=cfg.remat)
+
+
 def init_model(cfg: TrainConfig, mesh=None):
   """(graphdef, params): the model's structure and its initial parameters (a pure dict),
   placed on the mesh's fsdp shardings when one is given. The values do not depend on
-  the mesh."""
-  model_cfg = dataclasses.replace(
-      model_lib.MODEL_CONFIGS[cfg.config], vocab_size=cfg.vocab_size,
-      context_length=cfg.context_length, dtype=cfg.dtype)
-  graphdef, state = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(cfg.seed)))
+  the mesh. Every process makes them all and puts its own devices' shards in place:
+  no process sends another anything."""
+  graphdef, state = nnx.split(model_lib.GPT(model_config(cfg), nnx.Rngs(cfg.seed)))
   params = nnx.to_pure_dict(state)
-  if mesh is not None:
-    params = jax.device_put(params, sharding.state_shardings(mesh, params))
-  return graphdef, params
+  if mesh is None:
+    return graphdef, params
+  host = jax.device_get(params)
+  return graphdef, jax.tree.map(
+      lambda x, place: jax.make_array_from_callback(x.shape, place, lambda i: x[i]),
+      host, sharding.state_shardings(mesh, host))
 
 
 def init_opt_state(tx, params, mesh):
@@ -226,7 +238,7 @@ def restore(cfg: TrainConfig, checkpoints: checkpoint.RunCheckpoints, params, op
 def open_metrics_log(cfg: TrainConfig, step_done: int) -> metrics.MetricsLog:
   """metrics.jsonl cut back to the restored step; one warning if step records are lost."""
   path = os.path.join(cfg.out_dir, "metrics.jsonl")
-  log = metrics.MetricsLog(path, resume_after_step=step_done)
+  log = metrics.MetricsLog(path, resume_after_step=step_done, write=distributed.is_main())
   if missing := metrics.missing_steps(log.records, step_done):
     status.say(f"warning: {path} lacks the records of {len(missing)} of the {step_done} "
                f"steps before this resume (first: step {missing[0]}); the report covers "
@@ -234,104 +246,17 @@ def open_metrics_log(cfg: TrainConfig, step_done: int) -> metrics.MetricsLog:
   return log
 
 
-def describe_start(cfg: TrainConfig, mesh, state: State) -> str:
+def describe_start(cfg: TrainConfig, mesh, state: State, peak_flops: float | None) -> str:
   params = model_lib.count_params(state.params) / 1e6
   clip = "off" if cfg.max_norm <= 0 else f"{cfg.max_norm:g}"
+  processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+  peak = (f"peak {peak_flops / 1e12:,.0f} TFLOP/s" if peak_flops
+          else "peak unknown: no MFU (--peak-tflops)")
   line = (f"{cfg.config}: {params:.1f}M parameters on {mesh.size} "
-          f"{jax.devices()[0].platform} device(s) (mesh {sharding.describe(mesh)}); clip "
-          f"{clip} (impl {cfg.clip_impl}, mode {cfg.clip_mode}); out {cfg.out_dir}")
+          f"{jax.devices()[0].device_kind} device(s){processes} (mesh "
+          f"{sharding.describe(mesh)}); {cfg.dtype}, attention {cfg.attention}, remat "
+          f"{cfg.remat}; {peak}; clip {clip} (impl {cfg.clip_impl}, mode {cfg.clip_mode}); "
+          f"out {cfg.out_dir}")
   if state.step_done:
     return line + f"; resumed after step {state.step_done}"
   return line + ("; --resume found no checkpoint, starting at step 1" if cfg.resume else "")
-
-
-# --- The steps --------------------------------------------------------------------
-
-
-def run_steps(loop: Loop, state: State) -> int | None:
-  """Steps step_done + 1 .. last_step; returns the step after which --time-limit-s
-  stopped the run, or None."""
-  cfg, first = loop.cfg, state.step_done + 1
-  state.last_time = time.perf_counter()
-  for step in range(first, loop.last_step + 1):
-    phase = bisect.bisect_right(loop.phase_starts, step) - 1
-    phase_end = (loop.phase_starts + [cfg.steps + 1])[phase + 1] - 1
-    if step == loop.phase_starts[phase]:
-      fetch_pending(loop, state)
-      start_phase(loop, state, step, phase, phase_end)
-    if step == loop.phase_starts[phase] or step == first:
-      loop.prefetcher.start_phase(step, min(phase_end, loop.last_step), state.bandit.weights)
-    tokens_BxL1, source_B = loop.prefetcher.next(step)
-    compiling = status.timed("compiling the training step", loop.say) if step == first \
-        else contextlib.nullcontext()
-    with compiling:
-      state.params, state.opt_state, step_metrics = loop.train_step(
-          state.params, state.opt_state, tokens_BxL1, source_B, jnp.int32(step))
-    fetch_pending(loop, state)  # the previous step's metrics, while this step runs
-    state.pending, state.step_done = (step, phase, step_metrics), step
-    out_of_time = (cfg.time_limit_s is not None
-                   and time.perf_counter() - loop.started > cfg.time_limit_s)
-    if step % cfg.checkpoint_every == 0 or step == loop.last_step or out_of_time:
-      fetch_pending(loop, state)
-      save_checkpoint(loop, state)
-    if out_of_time and step < loop.last_step:
-      loop.say(f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
-               f"of {cfg.steps}")
-      return step
-  return None
-
-
-def start_phase(loop: Loop, state: State, step: int, phase: int, phase_end: int) -> None:
-  """A phase boundary: new weights from the ending phase's rewards, logged and printed."""
-  reward = None
-  if phase > 0:
-    state.bandit, reward = bandit.end_phase(state.bandit, loop.cfg.bandit_config)
-  record = metrics.phase_record(step, phase, phase_end - step + 1, corpus.SOURCE_NAMES,
-                                state.bandit.weights, reward)
-  loop.log.write(record)
-  weights = " ".join(f"{n} {w:.2f}" for n, w in record["weights"].items())
-  rewards = "" if reward is None else " | reward " + " ".join(f"{r:.2f}" for r in reward)
-  loop.say(f"phase {phase} at step {step} ({record['length']} steps): weights "
-           f"{weights}{rewards}")
-
-
-def fetch_pending(loop: Loop, state: State) -> None:
-  """Logs the pending step's metrics (the device has usually finished it by now), feeds
-  the bandit, and stops the run after --nonfinite-stop NaN/inf steps in a row."""
-  if state.pending is None:
-    return
-  (step, phase, step_metrics), state.pending = state.pending, None
-  m = jax.device_get(step_metrics)
-  now = time.perf_counter()
-  seconds, state.last_time = now - state.last_time, now
-  tokens_per_step = loop.cfg.batch_size * loop.cfg.context_length
-  memory = sharding.memory_in_use((state.params, state.opt_state))
-  loop.log.write(metrics.step_record(step, phase, corpus.SOURCE_NAMES, m,
-                                     tokens_per_step / max(seconds, 1e-9), seconds, memory,
-                                     loop.leaf_names))
-  loop.bar.update(1)
-  loop.bar.set_postfix(loss=f"{m['loss']:.3f}", gnorm=f"{m['grad_norm']:.2f}", phase=phase)
-  if np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]):
-    state.bandit = bandit.observe(state.bandit, m["loss_sum_K"], m["rows_K"])
-    state.nonfinite_steps = []
-    return
-  state.nonfinite_steps.append(step)  # a NaN loss must not reach the bandit's weights
-  if len(state.nonfinite_steps) >= loop.cfg.nonfinite_stop:
-    first = state.nonfinite_steps[0]
-    good = [s for s in loop.checkpoints.steps() if s < first]
-    raise TrainingDiverged(
-        f"the loss or gradient norm was NaN/inf for {len(state.nonfinite_steps)} steps in "
-        f"a row (steps {first}-{step}); stopping. The latest checkpoint before them: "
-        + (f"step {good[-1]} in {loop.checkpoints.directory}" if good else "none"))
-
-
-def save_checkpoint(loop: Loop, state: State) -> None:
-  """Saves the state after step_done, unless it holds NaN or inf; prints where."""
-  step = state.step_done
-  if state.nonfinite_steps or not checkpoint.all_finite((state.params, state.opt_state)):
-    loop.say(f"step {step}: not saving a checkpoint that holds NaN or inf")
-    return
-  path = loop.checkpoints.save(step, state.params, state.opt_state, {
-      "step": step, "bandit": state.bandit.to_json(), "identity": loop.identity})
-  loop.say(f"step {step}: checkpoint {path} "
-           f"({checkpoint.directory_bytes(path) / 2**20:.1f} MB)")

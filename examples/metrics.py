@@ -100,18 +100,22 @@ def missing_steps(records: list[dict], through_step: int) -> list[int]:
 class MetricsLog:
   """metrics.jsonl: one JSON record a line, appended and flushed as the run goes."""
 
-  def __init__(self, path: str, *, resume_after_step: int):
-    """Keeps the records of steps <= resume_after_step (none for a fresh run)."""
+  def __init__(self, path: str, *, resume_after_step: int, write: bool = True):
+    """Keeps the records of steps <= resume_after_step (none for a fresh run). Without
+    `write` (the processes other than 0) the records are kept in memory only."""
     self.path = path
     kept = [r for r in read_records(path) if r["step"] <= resume_after_step]
-    write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept))
+    if write:
+      write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept))
     self.records = kept
-    self._file = open(path, "a")
+    self._file = open(path, "a") if write else None
 
   def write(self, record: dict) -> None:
     self.records.append(record)
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if self._file:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
 
   def close(self) -> None:
-    self._file.close()
+    if self._file:
+      self._file.close()

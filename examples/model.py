@@ -3,6 +3,13 @@
 Pre-LayerNorm blocks; separate query, key and value projections (as in the ANDREA
 models); a 4x GELU MLP; learned positional embeddings; an untied LM head. Shapes are
 in the names: B batch, L sequence length, D d_model, H heads, K head size, V vocab.
+
+Parameters are float32; `dtype` is the computation's (bfloat16 casts each matmul's
+inputs; LayerNorm statistics and the logits stay float32). Attention is
+`jax.nn.dot_product_attention` with an explicit implementation: "xla" (any device) or
+"cudnn" (cuDNN's fused flash attention: NVIDIA GPUs, bfloat16 or float16). `remat`
+recomputes each block's activations in the backward pass instead of keeping them:
+"block" all of them, "dots" all but the matmuls' outputs.
 """
 
 import dataclasses
@@ -24,13 +31,22 @@ class ModelConfig:
   context_length: int = 1024
   mlp_ratio: int = 4
   dtype: str = "float32"  # computation dtype; parameters stay float32
+  attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, cudnn
+  remat: str = "none"  # none, block, dots (REMAT_POLICIES)
 
   @property
   def head_size(self) -> int:
     return self.d_model // self.num_heads
 
 
-# Architectures only; context length, vocab and dtype are set by the training flags.
+# What each block keeps for the backward pass (jax.checkpoint policies): None keeps
+# nothing (everything is recomputed); "dots" keeps the matmuls' outputs.
+REMAT_POLICIES = {"block": None,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+REMAT_CHOICES = ("none", *REMAT_POLICIES)
+
+# Architectures only; context length, vocab, dtype, attention and remat are set by the
+# training flags.
 MODEL_CONFIGS = {
     "tiny": ModelConfig(num_layers=4, d_model=128, num_heads=4),
     "andrea-12m": ModelConfig(num_layers=6, d_model=384, num_heads=6),
@@ -56,6 +72,7 @@ class CausalSelfAttention(nnx.Module):
     self.value = _linear(d, d, cfg, rngs)
     self.out = _linear(d, d, cfg, rngs, stddev=out_stddev)
     self.num_heads = cfg.num_heads
+    self.implementation = cfg.attention
 
   def __call__(self, x_BxLxD):
     B, L, D = x_BxLxD.shape
@@ -64,7 +81,8 @@ class CausalSelfAttention(nnx.Module):
     k_BxLxHxK = self.key(x_BxLxD).reshape(B, L, H, D // H)
     v_BxLxHxK = self.value(x_BxLxD).reshape(B, L, H, D // H)
     y_BxLxHxK = jax.nn.dot_product_attention(
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True,
+        implementation=self.implementation)
     return self.out(y_BxLxHxK.reshape(B, L, D))
 
 
@@ -107,14 +125,18 @@ class GPT(nnx.Module):
         cfg.context_length, cfg.d_model, dtype=dtype, embedding_init=embed_init,
         rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.remat = cfg.remat
     self.ln_final = nnx.LayerNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, use_bias=False)
 
   def __call__(self, tokens_BxL):
     L = tokens_BxL.shape[1]
     x_BxLxD = self.token_embed(tokens_BxL) + self.pos_embed(jnp.arange(L))[None]
+    apply_block = lambda block, x_BxLxD: block(x_BxLxD)
+    if self.remat != "none":
+      apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.remat])
     for block in self.blocks:
-      x_BxLxD = block(x_BxLxD)
+      x_BxLxD = apply_block(block, x_BxLxD)
     return self.lm_head(self.ln_final(x_BxLxD)).astype(jnp.float32)
 
 

@@ -15,11 +15,14 @@ import time
 import jax
 import jax.numpy as jnp
 import matplotlib
+from jax.experimental import multihost_utils
 import matplotlib.ticker
 import numpy as np
 from flax import nnx
 
+import distributed
 import metrics
+import throughput
 from config import TrainConfig
 
 matplotlib.use("Agg")
@@ -31,10 +34,15 @@ SOURCE_COLORS = {
 
 
 def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokenizer,
-                 prompts: list[str], started: float, stopped_at: int | None) -> dict:
+                 prompts: list[str], started: float, stopped_at: int | None,
+                 flops_per_token: float, peak_flops: float | None) -> dict:
   """Writes report.png, samples.txt and summary.json into the run directory, prints one
-  line, and returns the summary."""
+  line, and returns the summary. Every process calls it (the samples are computed on
+  the mesh, the memory peaks gathered); process 0 writes and prints."""
   steps = metrics.step_records(records)
+  tokens_per_s = float(np.median([r["tokens_per_s"] for r in steps]))
+  local_peak = max((b for r in steps for b in r.get("device_memory_bytes") or []), default=0)
+  peaks = multihost_utils.process_allgather(np.int64(local_peak)).reshape(-1).tolist()
   summary = {
       "config": cfg.config, "recipe": cfg.recipe, "steps": len(steps),
       "planned_steps": cfg.steps, "stopped_by_time_limit": stopped_at is not None,
@@ -43,21 +51,30 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
       "clipped_steps": sum(r["clipped"] for r in steps),
       "spike_steps": [r["step"] for r in steps if r.get("spike")],
       "skipped_steps": steps[-1].get("skipped_count", 0),
-      "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in steps])),
+      "median_tokens_per_s": tokens_per_s,
       "median_step_time_s": _median([r.get("step_time_s") for r in steps]),
-      "peak_device_memory_bytes": max(
-          (b for r in steps for b in r.get("device_memory_bytes") or []), default=None),
+      # throughput.py: the model's FLOPs a token, the devices' summed peak (None where
+      # unknown), and the median tokens/s as a share of that peak.
+      "flops_per_token": flops_per_token,
+      "peak_flops_per_s": peak_flops,
+      "mfu": throughput.mfu(tokens_per_s, flops_per_token, peak_flops),
+      # Per process (its own devices), and the largest.
+      "peak_device_memory_bytes_by_process": peaks,
+      "peak_device_memory_bytes": max(peaks) or None,
       # Step records lost with an earlier run's metrics (see MetricsLog); 0 when whole.
       "missing_step_records": len(metrics.missing_steps(records, steps[-1]["step"])),
   }
+  if prompts:
+    summary["samples"] = samples(cfg, graphdef, params, tokenizer, prompts)
+    summary["repetition"] = mean_stats(summary["samples"])
+  if not distributed.is_main():
+    return summary
   if cfg.plot:
     png = os.path.join(cfg.out_dir, "report.png")
     plot_run(records, f"{png}.tmp.png", max_norm=cfg.max_norm,
              title=f"{cfg.config}, recipe {cfg.recipe}, seed {cfg.seed}")
     os.replace(f"{png}.tmp.png", png)
   if prompts:
-    summary["samples"] = samples(cfg, graphdef, params, tokenizer, prompts)
-    summary["repetition"] = mean_stats(summary["samples"])
     metrics.write_atomic(os.path.join(cfg.out_dir, "samples.txt"), lambda f: f.writelines(
         f"--- distinct_2 {s['distinct_2']:.2f}  repeat_4 {s['repeat_4']:.2f}  "
         f"top_token_share {s['top_token_share']:.2f}\n{s['prompt']}{s['text']}\n\n"
@@ -68,9 +85,16 @@ def write_report(cfg: TrainConfig, records: list[dict], graphdef, params, tokeni
   print(f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} (mean of the "
         f"last 10 steps); {summary['clipped_steps']} of {len(steps)} steps clipped, "
         f"{len(summary['spike_steps'])} spikes, {summary['skipped_steps']} skipped; "
-        f"{summary['median_tokens_per_s']:,.0f} tokens/s (median); "
+        f"{tokens_per_s:,.0f} tokens/s (median){_mfu_words(summary)}; "
         f"samples: {repetition or 'none'}; files in {cfg.out_dir}")
   return summary
+
+
+def _mfu_words(summary: dict) -> str:
+  if summary["mfu"] is None:
+    return ", MFU unknown (no peak for these devices: --peak-tflops)"
+  return (f", MFU {summary['mfu']:.1%} ({summary['flops_per_token'] / 1e6:,.0f}M FLOPs a "
+          f"token, peak {summary['peak_flops_per_s'] / 1e12:,.0f} TFLOP/s)")
 
 
 def _median(values) -> float | None:
@@ -121,8 +145,9 @@ def generate(graphdef, params, prompts: list[list[int]], *, num_tokens: int,
 
     return jax.lax.fori_loop(0, num_tokens, add_token, (tokens_BxL, key))[0]
 
-  out_BxL = np.asarray(continue_all(
-      params, tokens_BxL, prompt_len_B, jax.random.key(seed)))
+  # The tokens may be split over several processes' devices: each process gets them all.
+  out_BxL = multihost_utils.process_allgather(
+      continue_all(params, tokens_BxL, prompt_len_B, jax.random.key(seed)), tiled=True)
   return [out_BxL[b, n:n + num_tokens].tolist() for b, n in enumerate(prompt_len_B)]
 
 

@@ -80,8 +80,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def device_bytes(tree) -> list[int]:
-  """Bytes of `tree`'s arrays held by each device, in jax.devices() order."""
-  held = {d: 0 for d in jax.devices()}
+  """Bytes of `tree`'s arrays held by each of this process's devices, in
+  jax.local_devices() order."""
+  held = {d: 0 for d in jax.local_devices()}
   for x in jax.tree.leaves(tree):
     for shard in getattr(x, "addressable_shards", ()):
       held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
@@ -89,9 +90,10 @@ def device_bytes(tree) -> list[int]:
 
 
 def memory_in_use(state_tree) -> list[int]:
-  """Per device: the allocator's bytes in use where the backend reports it (GPU, TPU),
-  else (CPU) the bytes of the training state's shards on it."""
-  stats = [d.memory_stats() for d in jax.devices()]
+  """Per device of this process (a process can only read its own devices' memory): the
+  allocator's bytes in use where the backend reports it (GPU, TPU), else (CPU) the bytes
+  of the training state's shards on it."""
+  stats = [d.memory_stats() for d in jax.local_devices()]
   if all(s and "bytes_in_use" in s for s in stats):
     return [int(s["bytes_in_use"]) for s in stats]
   return device_bytes(state_tree)

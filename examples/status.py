@@ -4,7 +4,8 @@
       ...
 
 prints "reading the sources ..." before the step and "reading the sources: 3.2 s" after
-it, so a long wait (the corpus, the tokenizer, the first compile) is never silent.
+it, so a long wait (the corpus, the tokenizer, the first compile) is never silent. In a
+run of several processes only process 0 prints them (distributed.launch).
 """
 
 import contextlib
@@ -12,8 +13,18 @@ import time
 from typing import Callable
 
 
+_speaking = True
+
+
+def speak(on: bool) -> None:
+  """Whether this process prints status lines."""
+  global _speaking
+  _speaking = on
+
+
 def say(message: str) -> None:
-  print(message, flush=True)
+  if _speaking:
+    print(message, flush=True)
 
 
 @contextlib.contextmanager

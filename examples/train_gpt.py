@@ -4,6 +4,7 @@
     python examples/train_gpt.py --config andrea-12m --source gutenberg=books/*.txt
     python examples/train_gpt.py --config andrea-120m --recipe v1   # no clip, Adam
     python examples/train_gpt.py --mesh data=2,fsdp=4   # 8 devices: data parallel x FSDP
+    srun python examples/train_gpt.py --config andrea-120m   # one process per task (SLURM)
 
 `--help` lists every flag. The files of the example, each with one job:
 
@@ -12,11 +13,14 @@
   default_corpus.py  the default text, from the installed Python
   tokenizer.py       BPE training, the cache, token streams
   bandit.py          phases and the EXP3 weights
-  pipeline.py        batch sampling and the prefetch thread
+  pipeline.py        batch sampling on a thread, the device batches a step ahead
   model.py           the GPT and its three sizes
   train_step.py      the optimizer and the jitted, donated step
   sharding.py        the device mesh (--mesh) and where each array lives on it
-  loop.py            the training loop: `loop.train(TrainConfig(...))` from Python
+  distributed.py     a run of several processes: launch, process 0's writes
+  loop.py            the training run: `loop.train(TrainConfig(...))` from Python
+  steps.py           the steps in order: the jitted step, metrics in groups, checkpoints
+  throughput.py      FLOPs per token, the devices' peak, MFU
   metrics.py         the metrics log and atomic file writes
   checkpoint.py      Orbax checkpoints, checked restore with fallback
   report.py          summary.json, the plot, samples and their repetition scores
@@ -26,18 +30,20 @@
 import sys
 
 import config
+import distributed
 import loop
 
 
 def main(argv: list[str] | None = None) -> None:
   """Runs the flags' training; a bad flag, source or run directory is one error line."""
   parser, cfg = config.parse_args(argv)
-  try:
-    loop.train(cfg)
-  except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
-    parser.exit(2, f"{parser.prog}: error: {e}\n")
-  except loop.TrainingDiverged as e:
-    sys.exit(f"train_gpt.py: {e}")
+  with distributed.exit_on_error():
+    try:
+      loop.train(cfg)
+    except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
+      parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except loop.TrainingDiverged as e:
+      sys.exit(f"train_gpt.py: {e}")
 
 
 if __name__ == "__main__":

@@ -143,17 +143,45 @@ def test_sources_are_drawn_by_the_weights():
   np.testing.assert_allclose(counts / counts.sum(), [0.1, 0.6, 0.3], atol=0.03)
 
 
+def test_only_the_rows_asked_for_are_read():
+  rows = np.array([1, 2, 5, 6])
+  part = pipeline.sample_batch(_streams(), np.array([0.2, 0.3, 0.5]), seed=0, step=4,
+                               batch_size=64, context_length=16, rows=rows)
+  whole = _sample(4)
+  np.testing.assert_array_equal(part.tokens_BxL1, whole.tokens_BxL1[rows])
+  np.testing.assert_array_equal(part.source_B, whole.source_B[rows])
+
+
 def test_prefetcher_yields_the_same_batches_in_order():
   prefetcher = pipeline.Prefetcher(_streams(), seed=0, batch_size=64, context_length=16,
                                    depth=2)
   try:
     prefetcher.start_phase(1, 5, np.array([0.2, 0.3, 0.5]))
-    prefetcher.start_phase(6, 9, np.array([0.6, 0.2, 0.2]))
     for step in range(1, 10):
+      if step == 6:  # a phase boundary: the next weights come once step 5 is done
+        assert prefetcher.planned_through == 5
+        prefetcher.start_phase(6, 9, np.array([0.6, 0.2, 0.2]))
       tokens, sources = prefetcher.next(step)
+      prefetcher.put_ahead(step)
       expected = _sample(step, weights=(0.2, 0.3, 0.5) if step <= 5 else (0.6, 0.2, 0.2))
       np.testing.assert_array_equal(np.asarray(tokens), expected.tokens_BxL1)
       np.testing.assert_array_equal(np.asarray(sources), expected.source_B)
+  finally:
+    prefetcher.close()
+
+
+def test_prefetcher_puts_the_next_batch_on_the_device_ahead_of_its_step():
+  prefetcher = pipeline.Prefetcher(_streams(), seed=0, batch_size=8, context_length=16)
+  try:
+    prefetcher.start_phase(1, 3, np.array([0.2, 0.3, 0.5]))
+    prefetcher.next(1)
+    prefetcher.put_ahead(1)
+    assert list(prefetcher._staged) == [2]  # step 2's batch is on the device already
+    prefetcher.next(2)
+    prefetcher.put_ahead(2)
+    prefetcher.next(3)
+    prefetcher.put_ahead(3)  # the phase ends here: nothing beyond it is made
+    assert not prefetcher._staged and prefetcher.planned_through == 3
   finally:
     prefetcher.close()
 
@@ -164,3 +192,13 @@ def test_prefetcher_closes_while_batches_are_still_queued():
   prefetcher.start_phase(1, 40, np.array([0.2, 0.3, 0.5]))
   prefetcher.next(1)
   prefetcher.close()  # must not hang on the full queue
+
+
+def test_a_failure_on_the_sampling_thread_reaches_the_loop():
+  prefetcher = pipeline.Prefetcher(_streams(), seed=0, batch_size=4, context_length=16)
+  try:
+    prefetcher.start_phase(1, 3, np.array([0.5, 0.5]))  # two weights for three sources
+    with pytest.raises(RuntimeError, match="batch sampling thread failed"):
+      prefetcher.next(1)
+  finally:
+    prefetcher.close()

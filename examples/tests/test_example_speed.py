@@ -1,0 +1,148 @@
+"""The step's speed options keep its numbers (model.py: remat, attention, dtype), the
+settings they resolve to per platform (config.py), and the MFU formula (throughput.py)."""
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import config
+import loop
+import model as model_lib
+import throughput
+
+
+SMALL = model_lib.ModelConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=300,
+                              context_length=16)
+
+
+def _loss_and_grads(model_cfg):
+  """The next-token loss of a small GPT on a fixed batch, and its gradients."""
+  graphdef, params = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(0)))
+  tokens = np.random.default_rng(0).integers(0, 300, (4, 17), dtype=np.int32)
+
+  def loss_fn(params):
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+
+  return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+@pytest.fixture(scope="module")
+def plain():
+  return _loss_and_grads(SMALL)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots"])
+def test_remat_recomputes_the_same_numbers(plain, remat):
+  loss, grads = _loss_and_grads(dataclasses.replace(SMALL, remat=remat))
+  np.testing.assert_allclose(loss, plain[0], rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+               grads, plain[1])
+
+
+def test_bfloat16_compute_follows_float32(plain):
+  """bfloat16 matmuls (float32 parameters, LayerNorm statistics and logits) give the
+  float32 loss and gradients to bfloat16's precision."""
+  loss, grads = _loss_and_grads(dataclasses.replace(SMALL, dtype="bfloat16"))
+  assert loss != plain[0]
+  np.testing.assert_allclose(loss, plain[0], rtol=1e-2)
+  norm = lambda tree: np.sqrt(sum(float(jnp.sum(x.astype(jnp.float32)**2))
+                                  for x in jax.tree.leaves(tree)))
+  assert norm(grads) == pytest.approx(norm(plain[1]), rel=2e-2)
+
+
+def _matmul_dtypes(jaxpr) -> set:
+  """The operand dtypes of every dot_general in `jaxpr`, nested calls included."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.update(str(v.aval.dtype) for v in eqn.invars)
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        found |= _matmul_dtypes(inner)
+  return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_model_computes_in_its_dtype_and_keeps_float32_parameters(dtype):
+  cfg = model_lib.ModelConfig(num_layers=1, d_model=32, num_heads=2, vocab_size=300,
+                              context_length=8, dtype=dtype)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.GPT(cfg, nnx.Rngs(0))))
+  forward = lambda state, tokens: nnx.merge(graphdef, state)(tokens)
+  tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+  assert _matmul_dtypes(jax.make_jaxpr(forward)(state, tokens).jaxpr) == {dtype}
+  assert jax.eval_shape(forward, state, tokens).dtype == jnp.float32  # the logits
+  assert {x.dtype for x in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}
+
+
+# --- Settings per platform ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("platform, dtype, attention, want", [
+    ("cpu", "auto", "auto", ("float32", "xla")),
+    ("gpu", "auto", "auto", ("bfloat16", "cudnn")),
+    ("tpu", "auto", "auto", ("bfloat16", "xla")),
+    ("gpu", "float32", "auto", ("float32", "xla")),  # cuDNN's flash attention is bf16
+    ("gpu", "bfloat16", "xla", ("bfloat16", "xla")),
+    ("cpu", "bfloat16", "auto", ("bfloat16", "xla")),
+])
+def test_auto_settings_resolve_per_platform(platform, dtype, attention, want):
+  cfg = config.resolve(config.TrainConfig(dtype=dtype, attention=attention), platform)
+  assert (cfg.dtype, cfg.attention) == want
+
+
+@pytest.mark.parametrize("platform, dtype", [("cpu", "bfloat16"), ("gpu", "float32")])
+def test_cudnn_attention_where_it_cannot_run_is_refused(platform, dtype):
+  with pytest.raises(config.ConfigError, match="--attention cudnn runs on NVIDIA GPUs in "
+                     "bfloat16"):
+    config.resolve(config.TrainConfig(dtype=dtype, attention="cudnn"), platform)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--log-every", "0"], "--log-every must be > 0, got 0"),
+    (["--peak-tflops", "-1"], "--peak-tflops must be > 0, got -1"),
+    (["--remat", "all"], "argument --remat: invalid choice: 'all'"),
+])
+def test_bad_speed_flags_are_named(argv, message):
+  with pytest.raises((config.ConfigError, SystemExit)) as e:
+    config.resolve(config.parse_args(argv)[1])
+  if e.type is config.ConfigError:
+    assert message in str(e.value)
+
+
+# --- MFU ---------------------------------------------------------------------------
+
+Device = collections.namedtuple("Device", "device_kind")
+
+
+def test_flops_per_token_of_andrea_120m():
+  """6 N + 12 * layers * d_model * context, N without the embedding tables: 662.5M at
+  context 1024, so 174,939 tokens/s (andrea-120m on one H200 before the loop was made
+  fast, docs/experiments.md section 4) is 116 TFLOP/s, 11.7% of the bf16 peak."""
+  cfg = config.resolve(config.TrainConfig(config="andrea-120m"))
+  model_cfg = loop.model_config(cfg)
+  shapes = jax.eval_shape(lambda: loop.init_model(cfg)[1])
+  n_all = sum(x.size for x in jax.tree.leaves(shapes))
+  n = n_all - (8449 + 1024) * 768  # token and position tables
+  flops = throughput.flops_per_token(shapes, num_layers=12, d_model=768,
+                                     context_length=1024)
+  assert flops == 6 * n + 12 * 12 * 768 * 1024
+  assert (model_cfg.num_layers, model_cfg.d_model) == (12, 768)
+  assert round(flops / 1e5) == 6625
+  peak = throughput.peak_flops([Device("NVIDIA H200")])
+  assert peak == 989e12
+  assert throughput.mfu(174_939, flops, peak) == pytest.approx(0.117, abs=5e-4)
+
+
+def test_the_peak_is_known_or_given():
+  assert throughput.peak_flops([Device("NVIDIA H100 80GB HBM3")] * 2) == 2 * 989e12
+  assert throughput.peak_flops([Device("cpu")]) is None
+  assert throughput.peak_flops([Device("NVIDIA H200"), Device("cpu")]) is None
+  assert throughput.peak_flops([Device("cpu")] * 4, peak_tflops=2.0) == 8e12
+  assert throughput.mfu(1000.0, 1e6, None) is None
