@@ -6,7 +6,9 @@ shards: `clip_tree_in_shard_map` inside the caller's own `shard_map`, and
 `sharded_clip_tree`, which runs the clip in a `shard_map` of its own. Both run
 `_shards.clip_shards`: per-device norms, an all-reduce of a few floats per leaf over
 the axes each leaf is split on, the same decision everywhere, each device scaling its
-own shards.
+own shards. Called outside jit, `sharded_clip_tree` runs as one jitted call, cached
+like any jitted function: a shard_map run eagerly is traced and compiled anew at every
+call.
 """
 
 from __future__ import annotations
@@ -155,6 +157,24 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   Returns:
     A ClipResult; the norms and flags are the same on every device.
   """
+  options = dict(impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale)
+  paths, leaves, treedef = _options.flatten(tree)
+  if leaves and not any(isinstance(x, jax.core.Tracer) for x in [max_norm, *leaves]):
+    _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+    mesh, leaf_specs, _ = _mesh_and_specs(mesh, specs, tree, paths, leaves)
+    return _sharded_clip_jitted(tree, max_norm, mesh=mesh, treedef=treedef,
+                                leaf_specs=tuple(leaf_specs), **options)
+  return _dispatch.clip(functools.partial(run_in_shard_map, mesh=mesh, specs=specs), tree,
+                        max_norm, feeds_consumer=False, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "treedef", "leaf_specs", "impl", "mode",
+                                             "on_nonfinite", "scale"))
+def _sharded_clip_jitted(tree, max_norm, *, mesh, treedef, leaf_specs, impl, mode,
+                         on_nonfinite, scale):
+  """sharded_clip_tree outside jit: the mesh and the specs (one per leaf, as hashable
+  static arguments) are known, so the jit cache keys on them and the tree's shapes."""
+  specs = jax.tree_util.tree_unflatten(treedef, leaf_specs)
   return _dispatch.clip(functools.partial(run_in_shard_map, mesh=mesh, specs=specs), tree,
                         max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                         scale=scale, feeds_consumer=False)

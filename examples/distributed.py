@@ -15,12 +15,16 @@ Every process then runs the same steps on one global mesh. Process 0 alone write
 run's files and prints; decisions that depend on something other than the replicated
 metrics (the wall clock) are process 0's, handed to the others (`agree`).
 
+SIGTERM (a scheduler's preemption or time limit, `scancel`, `kill`) stops the run after a
+checkpoint, with nothing lost (`stop_requested`): on one process at the next step; on
+several, JAX's preemption notifier catches it on any of them, and every process stops
+after the same step, the one JAX's preemption sync point names.
+
 A process that dies is found by JAX's coordination service, which stops hearing its
 heartbeats: every other process then ends within --heartbeat-timeout-s with JAX's error
 "The following tasks are unhealthy (stopped sending heartbeats): ID". A process that
-fails with an error, or is stopped by SIGTERM, says so and exits at once
-(`exit_on_error`), so that the others learn of it the same way instead of waiting for
-it at JAX's shutdown barrier.
+fails with an error says so and exits at once (`exit_on_error`), so that the others
+learn of it the same way instead of waiting for it at JAX's shutdown barrier.
 """
 
 import contextlib
@@ -108,40 +112,49 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-class Terminated(Exception):
-  """SIGTERM: the process was asked to stop (a job's time limit, a cluster's scheduler)."""
+_sigterm = threading.Event()  # one process: SIGTERM arrived (see handle_sigterm)
 
 
-def _raise_terminated(signum, frame):
-  del frame
-  raise Terminated(signal.Signals(signum).name)
+def stop_requested(step: int) -> bool:
+  """Whether the run should save and stop after `step`, for a SIGTERM. Every process
+  calls this at every step: with several, it is JAX's preemption sync point, which is
+  True at the same step on all of them."""
+  if jax.process_count() > 1:
+    return multihost_utils.reached_preemption_sync_point(step)
+  return _sigterm.is_set()
+
+
+@contextlib.contextmanager
+def handle_sigterm():
+  """SIGTERM, while inside, asks the run to stop after a checkpoint (stop_requested)
+  instead of killing it. (With several processes JAX's own notifier catches it.)"""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  _sigterm.clear()
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
 def exit_on_error():
-  """SIGTERM raises Terminated, so that the run stops through its `finally` blocks (an
-  Orbax save in progress is finished). In a run of several processes an error ends
-  this process at once, after its message: the others then stop within the heartbeat
-  timeout, rather than waiting at JAX's shutdown barrier for a process that will never
-  reach it."""
-  main_thread = threading.current_thread() is threading.main_thread()
-  previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+  """In a run of several processes an error ends this process at once, after its
+  message: the others then stop within the heartbeat timeout, rather than waiting at
+  JAX's shutdown barrier for a process that will never reach it."""
   try:
     yield
   except BaseException as e:  # noqa: BLE001 - every way out of a multi-process run
     if not (jax.distributed.is_initialized() and jax.process_count() > 1):
       raise
-    code = e.code if isinstance(e, SystemExit) else 1
-    why = ""
-    if isinstance(e, Terminated):
-      why = f" ({e})"
-    elif not isinstance(e, SystemExit):
+    code, message = (e.code, None) if isinstance(e, SystemExit) else (1, type(e).__name__)
+    if isinstance(code, str):  # sys.exit("message"), which os._exit would not print
+      code, message = 1, code
+    elif message:
       traceback.print_exc()
-      why = f" ({type(e).__name__})"
-    print(f"process {jax.process_index()} of {jax.process_count()} stopped{why}",
-          file=sys.stderr, flush=True)
+    print(f"process {jax.process_index()} of {jax.process_count()} stopped"
+          + (f": {message}" if message else ""), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code if isinstance(code, int) and code else 1)
-  finally:
-    if main_thread:
-      signal.signal(signal.SIGTERM, previous)

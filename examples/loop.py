@@ -43,7 +43,7 @@ import throughput
 import tokenizer as tokenizer_lib
 import train_step as train_step_lib
 from config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
-from steps import State, TrainingDiverged  # noqa: F401 - the loop's API
+from steps import State, Stopped, TrainingDiverged  # noqa: F401 - the loop's API
 
 # What a run writes into its directory; an earlier run is recognised by any of them.
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",

@@ -14,7 +14,8 @@ For each step:
                        group, feeds the bandit each step's per-source losses in order,
                        and stops the run after --nonfinite-stop NaN/inf steps in a row
   checkpoints          every --checkpoint-every steps and at the end (all metrics
-                       fetched first, so that no checkpoint holding NaN is saved)
+                       fetched first, so that no checkpoint holding NaN is saved), and
+                       before stopping for SIGTERM (distributed.stop_requested)
 
 The bandit sees every step, in order, whatever --log-every is: the weights and the phase
 boundaries are those of a loop that fetched each step's metrics at once.
@@ -47,6 +48,10 @@ MAX_IN_FLIGHT = 2  # steps dispatched and not yet finished, at most
 
 class TrainingDiverged(Exception):
   """The loss or the gradient norm stayed NaN/inf for --nonfinite-stop steps in a row."""
+
+
+class Stopped(Exception):
+  """SIGTERM stopped the run after a checkpoint; --resume continues it."""
 
 
 @dataclasses.dataclass
@@ -110,9 +115,13 @@ def run_steps(loop: Loop, state: State, until: int | None = None) -> int | None:
     if len(state.pending) > cfg.log_every:
       fetch_metrics(loop, state, keep_latest=True)
     out_of_time = time_is_up(loop, step)
-    if step % cfg.checkpoint_every == 0 or step == loop.last_step or out_of_time:
+    stop = distributed.stop_requested(step)
+    if step % cfg.checkpoint_every == 0 or step == loop.last_step or out_of_time or stop:
       fetch_metrics(loop, state)
       save_checkpoint(loop, state)
+    if stop:
+      raise Stopped(f"SIGTERM: stopped after step {step} of {cfg.steps}, saved in "
+                    f"{loop.checkpoints.directory}; --resume continues the run")
     if out_of_time and step < loop.last_step:
       loop.say(f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
                f"of {cfg.steps}")

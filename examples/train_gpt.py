@@ -37,12 +37,12 @@ import loop
 def main(argv: list[str] | None = None) -> None:
   """Runs the flags' training; a bad flag, source or run directory is one error line."""
   parser, cfg = config.parse_args(argv)
-  with distributed.exit_on_error():
+  with distributed.exit_on_error(), distributed.handle_sigterm():
     try:
       loop.train(cfg)
     except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
       parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except loop.TrainingDiverged as e:
+    except (loop.TrainingDiverged, loop.Stopped) as e:
       sys.exit(f"train_gpt.py: {e}")
 
 

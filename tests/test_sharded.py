@@ -347,6 +347,28 @@ def test_specs_read_from_the_arrays(devices, impl):
   assert result.updates["w"].sharding.spec == P("data", "model")
 
 
+def test_outside_jit_the_clip_is_compiled_once_and_cached(devices, impl):
+  """A call outside jit runs one jitted program, kept in jit's cache: a second call (here
+  with another max_norm, an operand) runs it again rather than tracing and compiling a
+  shard_map anew."""
+  from clipjax import _sharded  # pylint: disable=g-import-not-at-top
+  mesh, d = _mesh2d(), devices // 2
+  specs = {"w": P("data", "model"), "b": P()}
+  tree = _tree({"w": ((4 * d, 6), jnp.float32), "b": ((6,), jnp.float32)})  # shapes of its own
+  placed = _put(tree, mesh, specs)
+  cached = _sharded._sharded_clip_jitted._cache_size
+  before = cached()
+  clipjax.sharded_clip_tree(placed, 1.0, mesh=mesh, specs=specs, impl=impl)
+  assert cached() == before + 1
+  second = clipjax.sharded_clip_tree(placed, 0.5, mesh=mesh, specs=specs, impl=impl)
+  assert cached() == before + 1
+  _assert_matches_whole_tree(second, tree, 0.5, impl)
+  for k in specs:
+    _assert_placed_as(second.updates[k], mesh, specs[k])
+  with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+    clipjax.sharded_clip_tree(placed, -1.0, mesh=mesh, specs=specs, impl=impl)
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 
