@@ -4,12 +4,12 @@ Pre-LayerNorm blocks; separate query, key and value projections (as in the ANDRE
 models); a 4x GELU MLP; learned positional embeddings; an untied LM head. Shapes are
 in the names: B batch, L sequence length, D d_model, H heads, K head size, V vocab.
 
-Parameters are float32; `dtype` is the computation's (bfloat16 casts each matmul's
-inputs; LayerNorm statistics and the logits stay float32). Attention is
-`jax.nn.dot_product_attention` with an explicit implementation: "xla" (any device) or
-"cudnn" (cuDNN's fused flash attention: NVIDIA GPUs, bfloat16 or float16). `remat`
-recomputes each block's activations in the backward pass instead of keeping them:
-"block" all of them, "dots" all but the matmuls' outputs.
+Parameters are float32; `dtype` is the computation's (bfloat16: each matmul takes and
+gives bfloat16; LayerNorm's statistics are float32, and the logits are cast to float32
+for the loss). Attention is `jax.nn.dot_product_attention` with an explicit
+implementation: "xla" (any device) or "cudnn" (cuDNN's fused flash attention: NVIDIA
+GPUs, bfloat16 or float16). `remat` recomputes each block's activations in the backward
+pass instead of keeping them: "block" all of them, "dots" all but the matmuls' outputs.
 """
 
 import dataclasses

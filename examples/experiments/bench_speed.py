@@ -197,9 +197,9 @@ def step_variants(args) -> tuple[list[dict], dict | None]:
     except config.ConfigError as e:
       rows.append({"variant": text, "skipped": str(e)})
       continue
-    print(f"variant {text}: compiling ...", flush=True)
     bare = BareStep(cfg)
     bare.run(2)  # warm-up
+    print(f"variant {text}: compiled in {bare.compile_s:.1f} s", flush=True)
     built.append((text, bare, []))
   for r in range(args.rounds):
     for _, bare, seconds in (built if r % 2 == 0 else built[::-1]):
@@ -288,6 +288,7 @@ def main(argv=None) -> dict:
              "peak_flops_per_s": throughput.peak_flops(jax.devices())}
   if not args.skip_loop:
     results["loop_against_step"] = loop_against_step(args)
+    exp_common.write_outputs(args.out_dir, results, "")  # kept should the variants not end
   results["variants"], results["kernels"] = step_variants(args)
   markdown = report(results)
   print(markdown)

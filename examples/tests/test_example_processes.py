@@ -10,7 +10,7 @@ processes of 4 devices each, joined over localhost with --coordinator, --num-pro
   service) ends the other within the heartbeat timeout (HEARTBEAT_S here), with an error
   that says so.
 
-Each run is its own train_gpt.py processes, so these tests are slow (see the README).
+Each run is its own train_gpt.py processes, so those tests are marked slow.
 """
 
 import json
@@ -22,9 +22,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+import config
+import distributed
 import metrics
 from examples.tests.conftest import EXAMPLES
 
@@ -39,7 +42,6 @@ TINY = ["--config", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--conte
         "--warmup-steps", "3", "--seed", "1", "--checkpoint-every", str(STOP),
         "--num-samples", "1", "--sample-tokens", "4", "--no-progress"]
 
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
@@ -87,12 +89,47 @@ def losses(out_dir) -> list[float]:
   return [r["loss"] for r in metrics.step_records(records)]
 
 
+# --- Launch: what is decided before JAX starts ------------------------------------------
+
+
+def test_a_single_process_joins_nothing(monkeypatch):
+  for var in ("JAX_COORDINATOR_ADDRESS", *distributed.ENV.values()):
+    monkeypatch.delenv(var, raising=False)
+  assert distributed.cluster_process_count() == 1  # no SLURM, Open MPI, TPU pod here
+  distributed.launch()
+  distributed.launch(num_processes=1, process_id=0)  # one process asked for: the same
+  assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    ({"JAX_NUM_PROCESSES": "two"}, {}, "JAX_NUM_PROCESSES='two': expected a number"),
+    ({}, {"heartbeat_timeout_s": 0}, "--heartbeat-timeout-s must be >= 1, got 0"),
+])
+def test_bad_launch_settings_are_named(monkeypatch, env, kwargs, message):
+  for var, value in env.items():
+    monkeypatch.setenv(var, value)
+  with pytest.raises(config.ConfigError, match=message):
+    distributed.launch(**kwargs)
+  assert not jax.distributed.is_initialized()
+
+
+def test_the_launch_flags():
+  cfg = config.parse_args(["--coordinator", "host:1234", "--num-processes", "2",
+                           "--process-id", "1", "--heartbeat-timeout-s", "30"])[1]
+  assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout_s) == (
+      "host:1234", 2, 1, 30)
+
+
+# --- Runs of 2 processes of 4 devices -------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir) -> list[float]:
   """One process of 8 devices, every device on the data axis."""
   return train(1, tmp_path_factory.mktemp("one-process") / "run", cache_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=4", "fsdp=8"])
 def test_two_processes_train_as_one(reference, tmp_path, cache_dir, mesh):
   out = tmp_path / "run"
@@ -111,6 +148,7 @@ def test_two_processes_train_as_one(reference, tmp_path, cache_dir, mesh):
   assert "phase 0" not in outputs[1] and "loss " not in outputs[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_a_run_resumes_on_another_process_count(reference, tmp_path, cache_dir, first, then):
   out = tmp_path / "run"
@@ -141,6 +179,7 @@ def _outputs_within(procs, seconds: float) -> list[str]:
       p.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_stops_every_process_after_a_checkpoint(tmp_path, cache_dir, processes):
   """SIGTERM to one process (the last): every process saves the same step and stops
@@ -161,6 +200,7 @@ def test_sigterm_stops_every_process_after_a_checkpoint(tmp_path, cache_dir, pro
   assert len(losses(out)) == step
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_with_a_clear_error(tmp_path, cache_dir):
   """SIGKILL of process 0 (which also runs JAX's coordination service): process 1 ends
   within the heartbeat timeout, with JAX's message that a task died."""

@@ -46,7 +46,7 @@ def test_remat_recomputes_the_same_numbers(plain, remat):
 
 
 def test_bfloat16_compute_follows_float32(plain):
-  """bfloat16 matmuls (float32 parameters, LayerNorm statistics and logits) give the
+  """bfloat16 matmuls (float32 parameters, LayerNorm statistics and loss) give the
   float32 loss and gradients to bfloat16's precision."""
   loss, grads = _loss_and_grads(dataclasses.replace(SMALL, dtype="bfloat16"))
   assert loss != plain[0]
