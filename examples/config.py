@@ -181,8 +181,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help=f"read a source ({', '.join(corpus.SOURCE_NAMES)}) from a file, "
                       "directory or glob: plain text (a document per file) or JSONL "
                       "(question/answer or text fields), .gz/.bz2/.xz decompressed, binary "
-                      "files skipped; repeatable; sources not named use the default text "
-                      "of the installed Python")
+                      "files skipped; repeatable; sources not named use the default "
+                      "corpus shipped in examples/data/")
   p.add_argument("--max-source-mb", type=float, default=d.max_source_mb,
                  help="text read per source (default: %(default)s)")
   p.add_argument("--bandit-eta", type=float, default=d.bandit_config.eta,

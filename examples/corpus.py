@@ -19,7 +19,8 @@ meaning every file below it, or a glob; read in sorted order). Each file is
 - otherwise one plain-text document.
 
 A source whose files are all skipped is an error naming the source and every file. Sources
-not named on the command line use the default text (default_corpus.py).
+not named on the command line read the default corpus's file of the same form
+(default_corpus.py), in the same way.
 
 The last HELD_OUT_SHARE of each source's text (by characters) is held out of training;
 the samples at the end of a run continue prompts cut from it.
@@ -73,7 +74,10 @@ def load_corpus(source_paths: dict[str, str], max_bytes: int,
     if name in source_paths:
       docs = read_source_files(name, source_paths[name], warn)
     else:
-      docs = default_corpus.SOURCES[name]()
+      try:
+        docs = read_source_files(name, default_corpus.source_path(name), warn)
+      except default_corpus.DefaultCorpusError as e:
+        raise SourceError(f"source {name!r}: {e}") from None
     corpus[name] = _take(docs, max_bytes)
     if not corpus[name]:
       raise SourceError(f"source {name!r}: no text found")
@@ -88,8 +92,11 @@ def read_source_files(name: str, pattern: str,
   """Documents from a file, a directory (all files below it) or a glob."""
   pattern = os.path.expanduser(pattern)
   if os.path.isdir(pattern):
-    pattern = os.path.join(pattern, "**", "*")
-  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    pattern = os.path.join(glob.escape(pattern), "**", "*")
+  if os.path.isfile(pattern):  # a file is itself, whatever characters its name holds
+    paths = [pattern]
+  else:
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   if not paths:
     raise SourceError(f"source {name!r}: no file matches {pattern!r}")
   found, skipped = False, []
@@ -154,11 +161,15 @@ def _jsonl_document(where: str, line: str) -> str:
   except json.JSONDecodeError as e:
     raise SourceError(f"{where}: not valid JSON ({e.msg})") from None
   if isinstance(record, dict) and "question" in record and "answer" in record:
-    return default_corpus.format_qa(str(record["question"]), str(record["answer"]))
+    return format_qa(str(record["question"]), str(record["answer"]))
   if isinstance(record, dict) and "text" in record:
     return str(record["text"])
   raise SourceError(f"{where}: expected an object with 'question' and 'answer' fields "
                     "(or a 'text' field)")
+
+
+def format_qa(question: str, answer: str) -> str:
+  return f"Question: {question.strip()}\nAnswer: {answer.strip()}"
 
 
 def _take(docs: Iterable[str], max_bytes: int) -> list[str]:

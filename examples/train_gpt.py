@@ -9,7 +9,7 @@
 
   config.py          every setting, the presets and recipes, the flags
   corpus.py          the sources: the user's files, held-out text, sample prompts
-  default_corpus.py  the default text, from the installed Python
+  default_corpus.py  the default corpus: fixed, versioned files in data/
   tokenizer.py       BPE training, the cache, token streams
   bandit.py          phases and the EXP3 weights
   pipeline.py        batch sampling and the prefetch thread

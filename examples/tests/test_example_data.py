@@ -3,9 +3,12 @@ small temporary files."""
 
 import bz2
 import gzip
+import hashlib
 import json
 import lzma
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ import tokenizer as tokenizer_lib
 SMALL_CORPUS = {
     "repo-docs": ["# clipjax\n\n- global norm\n- per tensor norm\n- three kernels\n"] * 20,
     "gutenberg": ["It was the best of times, it was the worst of times. " * 10] * 5,
-    "hermes3-general": [default_corpus.format_qa("What is 2 + 2?", "It is 4.")] * 20,
+    "hermes3-general": [corpus.format_qa("What is 2 + 2?", "It is 4.")] * 20,
 }
 
 
@@ -204,16 +207,67 @@ def test_prompts_take_turns_over_the_sources_from_their_held_out_text():
 
 # --- The default corpus -------------------------------------------------------------
 
+# v1's files and the text they decode to, held here: the same on every machine and Python.
+DEFAULT_FILES_SHA256 = {
+    "repo-docs": "4e13b517a8a1cf87b292fb79037c93e87286aa089cb1e8dff573e27082dc587e",
+    "gutenberg": "629fafa606c55bfd7fd5ad4dfa5fe78fa3b1a8aa21d4a5239341657ea5364544",
+    "hermes3-general": "02ac62a537ae5a2ce127ab15c8d5c82562421198daebd7c9c9cc52d23454dde4",
+}
+DEFAULT_TEXT_SHA256 = "94d84a9a3b25b2a26e9df28bec9ec5f2ca714be0e2bd4093ec116a6aeeb71b4c"
+DEFAULT_DOCUMENTS = {"repo-docs": 60, "gutenberg": 98, "hermes3-general": 3548}
+LICENCES = ("Apache-2.0", "MIT", "BSD", "PSF-2.0")
 
-def test_default_corpus_has_three_forms_and_is_deterministic():
-  texts = corpus.load_corpus({}, 200_000)
-  assert texts == corpus.load_corpus({}, 200_000)
-  assert set(texts) == set(corpus.SOURCE_NAMES)
-  for docs in texts.values():
-    assert sum(len(d) for d in docs) > 50_000
+
+def test_the_default_corpus_is_v1_byte_for_byte():
+  assert default_corpus.VERSION == "v1"
+  for name, want in DEFAULT_FILES_SHA256.items():
+    with open(default_corpus.source_path(name), "rb") as f:
+      assert hashlib.sha256(f.read()).hexdigest() == want, name
+  texts = corpus.load_corpus({}, 1 << 30)
+  assert {name: len(docs) for name, docs in texts.items()} == DEFAULT_DOCUMENTS
+  digest = hashlib.sha256(json.dumps(texts, sort_keys=True).encode()).hexdigest()
+  assert digest == DEFAULT_TEXT_SHA256
+
+
+def test_the_default_corpus_has_three_forms_and_names_each_origin():
+  texts = corpus.load_corpus({}, 1 << 30)
+  for name, docs in texts.items():
+    assert 400_000 < sum(len(d.encode()) for d in docs) < 560_000, name
   qa = texts["hermes3-general"]
-  assert all(d.startswith("Question: What ") and "\nAnswer: " in d for d in qa)
-  assert any(d.startswith("Question: What does `abc.abstractmethod` do?") for d in qa)
+  assert all(re.fullmatch(r"Question: What (does `[\w.]+` do|is `[\w.]+`)\?\nAnswer: .{40,}", d,
+                          re.S) for d in qa)
+  assert qa[0] == ("Question: What does `abc.abstractmethod` do?\n"
+                   "Answer: A decorator indicating abstract methods.")
+  assert sum(d.count("\n- ") + d.count("\n* ") for d in texts["repo-docs"]) > 500  # lists
+  assert min(len(d) for d in texts["gutenberg"]) >= 200  # whole documents of prose
+  for name in corpus.SOURCE_NAMES:
+    with lzma.open(default_corpus.source_path(name), "rt", encoding="utf-8") as f:
+      origins = [json.loads(line)["origin"] for line in f]
+    assert all(origin.endswith(LICENCES) for origin in origins), name
+  assert not any("clipjax" in o for o in origins)
+
+
+def test_a_changed_default_corpus_file_is_refused_by_name(tmp_path, monkeypatch):
+  for name in corpus.SOURCE_NAMES:
+    shutil.copy(default_corpus.source_path(name), tmp_path)
+  changed = tmp_path / "gutenberg.jsonl.xz"
+  changed.write_bytes(changed.read_bytes() + b"\0")
+  monkeypatch.setattr(default_corpus, "DIRECTORY", str(tmp_path))
+  with pytest.raises(corpus.SourceError, match=f"source 'gutenberg': the default corpus file "
+                     f"{changed} has SHA-256 [0-9a-f]{{64}}, not v1's 629faf"):
+    corpus.load_corpus({}, 1 << 20)
+  changed.unlink()
+  with pytest.raises(corpus.SourceError, match=f"{changed} cannot be read"):
+    corpus.load_corpus({}, 1 << 20)
+
+
+def test_the_byte_cap_takes_the_first_documents_of_the_default_corpus():
+  whole = corpus.load_corpus({}, 1 << 30)
+  capped = corpus.load_corpus({}, 50_000)
+  for name, docs in capped.items():
+    assert sum(len(d.encode()) for d in docs) <= 50_000
+    assert docs[:-1] == whole[name][:len(docs) - 1]
+    assert whole[name][len(docs) - 1].startswith(docs[-1])  # the last one cut, not changed
 
 
 # --- Tokenizer ----------------------------------------------------------------------
