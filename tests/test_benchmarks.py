@@ -16,15 +16,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchlib import clips, profiling, timing, trees  # noqa: E402
 from conftest import load_script  # noqa: E402
+from watched import run_watched  # noqa: E402
 
 
 def run_quick(script, tmp_path, *args, **env):
   """Runs `script --quick`; returns (its JSON, its stdout)."""
   out = tmp_path / "out.json"
-  run = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out),
-                        *args], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
-                       text=True, timeout=900)
-  assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+  run = run_watched([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out),
+                     *args], cwd=ROOT, env=dict(os.environ, **env))
+  assert run.returncode == 0, run.stdout[-12000:]
   return json.loads(out.read_text()), run.stdout
 
 
@@ -214,10 +214,9 @@ def test_sanitize_kernels_passes_every_case_on_the_cpu_handler():
   # The script the GPU sanitizers run: on a CPU it drives the custom calls' CPU handlers
   # through the same cases, each against float64 NumPy.
   names = [name for name, _ in sanitize_kernels().all_cases()]
-  run = subprocess.run([sys.executable, "scripts/sanitize_kernels.py"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  run = run_watched([sys.executable, "scripts/sanitize_kernels.py"], cwd=ROOT,
+                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stdout[-8000:]
   assert [line[4:].strip() for line in run.stdout.splitlines()
           if line.startswith("ok  ")] == names
   assert "all cases pass" in run.stdout
@@ -226,7 +225,7 @@ def test_sanitize_kernels_passes_every_case_on_the_cpu_handler():
 def test_sanitizer_groups_hold_every_case_once():
   module = sanitize_kernels()
   listed = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "--groups"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, check=True)
   groups = listed.stdout.split("\n")[:-1]
   assert groups == list(module.GROUPS)
   in_groups = [name for group in groups for name in group.split(",")]
