@@ -9,14 +9,19 @@ CPU.
 
 import argparse
 import dataclasses
+import math
 import os
 
 import numpy as np
 
 import bandit
 import corpus
-import model as model_lib
 import tokenizer as tokenizer_lib
+
+ANDREA_VOCAB_SIZE = 8449
+# Learned positions up to this many tokens (8x andrea-120m's context); a longer context is
+# a typo more often than a plan, and would compile for minutes before it failed.
+MAX_CONTEXT_LENGTH = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +47,7 @@ class TrainConfig:
   # "data=N,fsdp=M" (sharding.py); None: every visible device on the data axis. Not part
   # of the run's identity: a run resumes on another mesh with the same losses.
   mesh: str | None = None
-  vocab_size: int = model_lib.ANDREA_VOCAB_SIZE
+  vocab_size: int = ANDREA_VOCAB_SIZE
   seed: int = 0
   sources: tuple[str, ...] = ()  # "NAME=PATH_OR_GLOB"; unnamed sources use the default
   max_source_mb: float = 16.0
@@ -91,7 +96,8 @@ class ConfigError(ValueError):
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-  """Fills the None fields from the recipe and the preset, and checks every setting."""
+  """Fills the None fields from the recipe and the preset, and checks every setting: the
+  flags, the --source patterns and the directories, before anything is read or written."""
   for field, choices in CHOICES.items():
     if getattr(cfg, field) not in choices:
       raise ConfigError(f"--{field.replace('_', '-')} {getattr(cfg, field)!r}: "
@@ -101,19 +107,42 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
+  _check_numbers(cfg)
+  for field in ("out_dir", "cache_dir"):
+    _check_directory(f"--{field.replace('_', '-')}", getattr(cfg, field))
+  corpus.check_source_flags(cfg.sources)
+  return cfg
+
+
+def _flag(field: str) -> str:
+  return "--" + field.replace("_", "-")
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+  """Every numeric setting in its range; a NaN or infinity anywhere is refused."""
+  floats = {field.name: getattr(cfg, field.name) for field in dataclasses.fields(cfg)
+            if isinstance(getattr(cfg, field.name), float)}
+  floats.update({f"bandit_{k}": v for k, v in dataclasses.asdict(cfg.bandit_config).items()})
+  for field, value in floats.items():
+    if not math.isfinite(value):
+      raise ConfigError(f"{_flag(field)} must be a finite number, got {value}")
   positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
               "sample_tokens", "nonfinite_stop", "keep_checkpoints")
   for field in positive:
     if not getattr(cfg, field) > 0:
-      raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
+      raise ConfigError(f"{_flag(field)} must be > 0, got {getattr(cfg, field)}")
   for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
     if getattr(cfg, field) < 0:
-      raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, got {getattr(cfg, field)}")
+      raise ConfigError(f"{_flag(field)} must be >= 0, got {getattr(cfg, field)}")
+  if not 0 <= cfg.end_lr_ratio <= 1:
+    raise ConfigError(f"--end-lr-ratio must be in [0, 1] (the decay ends at peak-lr times "
+                      f"it), got {cfg.end_lr_ratio}")
   if cfg.spike != "off" and cfg.max_norm <= 0:
     raise ConfigError(f"--spike {cfg.spike} works through the clip: it needs --max-norm > 0 "
                       f"(recipe {cfg.recipe} has {cfg.max_norm:g})")
-  if cfg.context_length < 2:
-    raise ConfigError(f"--context-length must be >= 2, got {cfg.context_length}")
+  if not 2 <= cfg.context_length <= MAX_CONTEXT_LENGTH:
+    raise ConfigError(f"--context-length must be in [2, {MAX_CONTEXT_LENGTH}], "
+                      f"got {cfg.context_length}")
   if cfg.vocab_size < 257:  # the 256 byte tokens and the end-of-text token
     raise ConfigError(f"--vocab-size must be >= 257, got {cfg.vocab_size}")
   if cfg.stop_after_step is not None and not 1 <= cfg.stop_after_step <= cfg.steps:
@@ -132,7 +161,19 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     raise ConfigError(f"--bandit-floor: {e}") from None
   if not 0 <= cfg.bandit_config.smoothing < 1:
     raise ConfigError(f"--bandit-smoothing must be in [0, 1), got {cfg.bandit_config.smoothing}")
-  return cfg
+
+
+def _check_directory(flag: str, path: str) -> None:
+  """`path` is a directory, or can be made one: no file stands in its way and the
+  nearest directory that exists is writable."""
+  existing = os.path.abspath(os.path.expanduser(path))
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = "it" if existing == os.path.abspath(os.path.expanduser(path)) else existing
+    raise ConfigError(f"{flag} {path}: {where} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"{flag} {path}: the directory {existing} is not writable")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, TrainConfig]:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ANDREA_VOCAB_SIZE = 8449
+from config import ANDREA_VOCAB_SIZE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,18 @@
 import sys
 
 import config
-import loop
+import corpus
 
 
 def main(argv: list[str] | None = None) -> None:
-  """Runs the flags' training; a bad flag, source or run directory is one error line."""
+  """Runs the flags' training; a bad flag, source or run directory is one error line.
+  Every flag is checked before jax is imported, which takes a while."""
   parser, cfg = config.parse_args(argv)
+  try:
+    cfg = config.resolve(cfg)
+  except (config.ConfigError, corpus.SourceError) as e:
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
+  import loop  # noqa: PLC0415 - imports jax
   try:
     loop.train(cfg)
   except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)

@@ -4,6 +4,7 @@ small temporary files."""
 import bz2
 import gzip
 import hashlib
+import io
 import json
 import lzma
 import os
@@ -122,16 +123,60 @@ def test_a_file_that_does_not_decompress_is_skipped_and_named(tmp_path, capsys):
       "as .gz")
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"PNG\x00\x01\x02 header and pixels", "binary (it holds NUL bytes)"),
-    (bytes(range(128, 256)) + b"some ASCII too", "binary (90% of its bytes are not UTF-8)"),
+def _png() -> bytes:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig = plt.figure(figsize=(1, 1))
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png")
+  plt.close(fig)
+  return buffer.getvalue()
+
+
+def _shared_library() -> bytes:
+  import clipjax._clipjax_cpu  # noqa: PLC0415
+  with open(clipjax._clipjax_cpu.__file__, "rb") as f:
+    return f.read()
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("png", r"binary \(\d+\.\d% of its bytes are control bytes, \d+ of them NUL\)"),
+    ("shared library", r"binary \(\d+\.\d% of its bytes are control bytes, \d+ of them NUL\)"),
+    ("latin-1 bytes", r"binary \(90% of its bytes are not UTF-8\)"),
 ])
-def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, data, why):
+def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, kind, why):
+  data = {"png": _png, "shared library": _shared_library,
+          "latin-1 bytes": lambda: bytes(range(128, 256)) + b"some ASCII too"}[kind]()
   (tmp_path / "a.bin").write_bytes(data)
   (tmp_path / "b.txt").write_text("Plain prose.")
   assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == ["Plain prose."]
-  assert capsys.readouterr().out == (
-      f"warning: source 'gutenberg': skipping {tmp_path / 'a.bin'}: {why}\n")
+  out = capsys.readouterr().out
+  assert re.fullmatch(f"warning: source 'gutenberg': skipping {re.escape(str(tmp_path / 'a.bin'))}: "
+                      f"{why}\n", out), out
+
+
+def test_text_with_a_few_nul_and_control_bytes_is_read(tmp_path):
+  # As a GNU info manual: a \x1f before every node, and two stray NULs in the text.
+  nodes = [f"\x1f\nFile: coreutils.info,  Node: node{i}\n\n" + "Some prose. " * 60
+           for i in range(20)]
+  text = "".join(nodes).replace("prose.", "pro\0se.", 2)
+  (tmp_path / "coreutils.info.gz").write_bytes(gzip.compress(text.encode()))
+  assert list(corpus.read_source_files("repo-docs", str(tmp_path))) == [text]
+
+
+@pytest.mark.parametrize("line, shown", [
+    ('{"text": null}', "null"), ('{"text": 42}', "42"),
+    ('{"text": {"nested": "dict"}}', '{"nested": "dict"}'),
+    ('{"question": "q", "answer": ["a", "list"]}', '["a", "list"]'),
+])
+def test_a_jsonl_field_that_is_not_a_string_is_named(tmp_path, line, shown):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"text": "ok"}\n' + line + "\n")
+  field = "answer" if "answer" in line else "text"
+  with pytest.raises(corpus.SourceError, match=re.escape(
+      f"source 'hermes3-general': {path}:2: the '{field}' field is {shown}, not a string")):
+    list(corpus.read_source_files("hermes3-general", str(path)))
 
 
 def test_a_few_invalid_bytes_do_not_make_a_file_binary(tmp_path):
@@ -145,7 +190,7 @@ def test_a_source_of_only_binary_files_is_an_error_naming_them(tmp_path, capsys)
   for name in ("a.bin", "b.bin"):
     (tmp_path / name).write_bytes(b"\x00\x01\x02")
   with pytest.raises(corpus.SourceError, match=r"source 'repo-docs': no usable text in .*; "
-                     r"skipped .*a.bin \(binary \(it holds NUL bytes\)\), .*b.bin"):
+                     r"skipped .*a.bin \(binary \(.* of them NUL\)\), .*b.bin"):
     corpus.load_corpus({"repo-docs": str(tmp_path)}, 1 << 20)
   assert capsys.readouterr().out.count("warning: source 'repo-docs': skipping") == 2
 
