@@ -33,6 +33,7 @@ def find(rows, **keys):
   return row
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_clip_quick(tmp_path):
   results, stdout = run_quick("bench_clip.py", tmp_path)
   meta = results["meta"]
@@ -58,6 +59,7 @@ def test_bench_clip_quick(tmp_path):
       for i in ("ffi", "jax", "optax")}
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_step_quick(tmp_path):
   results, stdout = run_quick("bench_step.py", tmp_path, "--dtypes", "f32", "--optimizers",
                               "adamw,inject_adamw")
@@ -82,6 +84,7 @@ def test_bench_step_quick(tmp_path):
     assert row["vs_optax"] == pytest.approx(optax_row["us_injit"] / row["us_injit"])
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
   results, stdout = run_quick("bench_sharded.py", tmp_path, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
