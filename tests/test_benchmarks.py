@@ -125,6 +125,15 @@ def test_bench_compile_quick(tmp_path):
   assert [(r["leaves"], r["impl"], r["status"]) for r in results["rows"]] == [
       (50, "ffi", "ok"), (50, "jax", "ok"), (50, "optax", "ok"), (50, "floor", "ok")]
   assert all(r["compile_s"] > 0 and r["peak_rss_gb"] > 0 for r in results["rows"])
+  assert "GOALS" in stdout
+  rows = {r["impl"]: r for r in results["rows"]}
+  goals = {g["what"]: g for g in results["goals"]}
+  assert set(goals) == {"custom call / floor, time", "custom call / floor, memory",
+                        "pure JAX / optax, time"}
+  assert goals["custom call / floor, memory"]["ratio"] == pytest.approx(
+      rows["ffi"]["peak_rss_gb"] / rows["floor"]["peak_rss_gb"])
+  assert goals["pure JAX / optax, time"]["met"] == (
+      rows["jax"]["compile_s"] <= rows["optax"]["compile_s"])
 
 
 def test_bench_compile_without_result_names(tmp_path, monkeypatch):
