@@ -132,7 +132,8 @@ def _run_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state, 
                                      context_length=cfg.context_length,
                                      sharding=sharding.batch_sharding(mesh)),
       checkpoints=checkpoints, run_dir=run_dir, log=log,
-      say=bar.write if cfg.progress else status.say, bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
+      say=bar.write if cfg.progress else status.say,
+      bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
       last_step=last_step, started=started,
       leaf_names=list(clipjax.named_leaf_norms(opt_state, params)) if cfg.max_norm > 0 else [])
   loop.say(describe_start(cfg, mesh, state))

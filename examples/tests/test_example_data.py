@@ -152,8 +152,8 @@ def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, k
   (tmp_path / "b.txt").write_text("Plain prose.")
   assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == ["Plain prose."]
   out = capsys.readouterr().out
-  assert re.fullmatch(f"warning: source 'gutenberg': skipping {re.escape(str(tmp_path / 'a.bin'))}: "
-                      f"{why}\n", out), out
+  skipped = re.escape(str(tmp_path / "a.bin"))
+  assert re.fullmatch(f"warning: source 'gutenberg': skipping {skipped}: {why}\n", out), out
 
 
 def test_text_with_a_few_nul_and_control_bytes_is_read(tmp_path):
