@@ -36,10 +36,14 @@ def flat_outputs(out, norms, flags) -> tuple:
   return (*(out or []), norms, flags)
 
 
-def _whole_call(mode, on_nonfinite, scale_by, ranks, max_norm, *leaves):
-  """The clip of whole leaves: one custom call, or for a tree of more than
+def _whole_call(mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
+  """The clip of whole leaves (a tuple): one custom call, or for a tree of more than
   `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
-  with the decision between them (`_shards.clip_shards` with no mesh axes)."""
+  with the decision between them (`_shards.clip_shards` with no mesh axes).
+
+  The leaves travel as one tuple, here and through `_batchable`, rather than as one
+  argument each: JAX handles each positional argument of a custom_partitioning call
+  against every other (quadratic in their number: seconds at 20,000 leaves)."""
   del ranks  # static: only the sharding rule reads it
   leaves = list(leaves)
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
@@ -74,7 +78,7 @@ def _infer_shardings(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, resu
   """GSPMD's rule (the partitioner before Shardy): as `_sharding_rule` says."""
   del mode, on_nonfinite, ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
-  leaves = _leaf_shardings(mesh, arg_shapes[1:]) if scale_by else []
+  leaves = _leaf_shardings(mesh, arg_shapes[1]) if scale_by else []
   return (*leaves, replicated, replicated)
 
 
@@ -102,15 +106,15 @@ def _padding_mask(shard, global_shape, spec, mesh):
 def _partition(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
   del ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
-  leaf_shapes = arg_shapes[1:]
+  leaf_shapes = arg_shapes[1]
   shardings = _leaf_shardings(mesh, leaf_shapes)
   leaf_axes = [_shards.spec_axes(s.spec, f"#{i}") for i, s in enumerate(shardings)]
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   leaf_axes = [tuple(a for a in axes if sizes[a] > 1) for axes in leaf_axes]
 
-  def lower_fn(max_norm, *shards):
+  def lower_fn(max_norm, shards):
     if not any(leaf_axes):
-      return _whole_call(mode, on_nonfinite, scale_by, (), max_norm, *shards)
+      return _whole_call(mode, on_nonfinite, scale_by, (), max_norm, shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
     norm_inputs = [x if m is None else m for x, m in zip(shards, masked)]
@@ -119,7 +123,7 @@ def _partition(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_sha
         scale_by=scale_by, norm_inputs=norm_inputs))
 
   results = (*(shardings if scale_by else []), replicated, replicated)
-  return mesh, lower_fn, results, (replicated, *shardings)
+  return mesh, lower_fn, results, (replicated, tuple(shardings))
 
 
 _clip = custom_partitioning(_whole_call, static_argnums=(0, 1, 2, 3))
@@ -133,13 +137,13 @@ def _batchable(mode, on_nonfinite, scale_by, ranks):
   partitioner has no batching rule)."""
 
   @jax.custom_batching.custom_vmap
-  def call(max_norm, *leaves):
-    return _clip(mode, on_nonfinite, scale_by, ranks, max_norm, *leaves)
+  def call(max_norm, leaves):
+    return _clip(mode, on_nonfinite, scale_by, ranks, max_norm, leaves)
 
   @call.def_vmap
-  def _(axis_size, in_batched, max_norm, *leaves):
-    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, batched in zip((max_norm, *leaves), in_batched)]
+  def _(axis_size, in_batched, max_norm, leaves):
+    broadcast = lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    args = jax.tree.map(broadcast, (max_norm, leaves), tuple(in_batched))
     outs = lax.map(lambda xs: call(*xs), args)
     return outs, (True,) * len(outs)
 
@@ -149,7 +153,7 @@ def _batchable(mode, on_nonfinite, scale_by, ranks):
 def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   """`_ffi.clip_call`, partitioned per shard under jit (same contract)."""
   ranks = tuple(x.ndim for x in leaves)
-  outs = _batchable(mode, on_nonfinite, scale_by, ranks)(max_norm, *leaves)
+  outs = _batchable(mode, on_nonfinite, scale_by, ranks)(max_norm, tuple(leaves))
   if scale_by:
     return list(outs[:-2]), outs[-2], outs[-1]
   return None, outs[0], outs[1]

@@ -73,6 +73,10 @@ def _all_finite(floats):
   return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
 
 
+def _first_line(e: Exception) -> str:
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
 class RunCheckpoints:
 
   def __init__(self, directory: str, *, fresh: bool, keep: int = 2):
@@ -118,25 +122,35 @@ class RunCheckpoints:
       return f"{len(changed)} file(s) differ from their checksums, e.g. {changed[0]}"
     return None
 
-  def restore_latest_good(self, params_like, opt_state_like, log):
+  def restore_latest_good(self, params_like, opt_state_like, log, check_host=None):
     """(step, host_state, params, opt_state) of the newest usable checkpoint, or None if
-    there is none at all. Each unusable one is named by one `log` line; if checkpoints
+    there is none at all. `check_host(host_state)` may refuse a readable checkpoint (made
+    with other settings) by raising; that leaves every checkpoint where it is. Only damage
+    sets one aside: files that differ from their checksums, a checkpoint that does not
+    restore, or one that holds NaN or inf. Each is named by one `log` line; if checkpoints
     exist but none is usable, raises CheckpointError."""
     tried = []
     for step in reversed(self.steps()):
       problem = self._problem(step) if distributed.is_main() else None
       if not distributed.agree(problem is None):  # process 0's verdict holds for all
         problem = problem or "process 0 found its files changed"
+      host = None
       if problem is None:
         try:
           host = self._manager.restore(step, args=ocp.args.Composite(
               host=ocp.args.JsonRestore()))["host"]
+        except Exception as e:  # noqa: BLE001 - any failure means: try an older one
+          problem = f"its host state does not restore ({_first_line(e)})"
+      if problem is None:
+        if check_host is not None:
+          check_host(host)
+        try:
           target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                 {"params": params_like, "opt_state": opt_state_like})
           arrays = self._manager.restore(step, args=ocp.args.Composite(
               arrays=ocp.args.StandardRestore(target)))["arrays"]
         except Exception as e:  # noqa: BLE001 - any failure means: try an older one
-          problem = f"it does not restore ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+          problem = f"it does not restore ({_first_line(e)})"
         else:
           if all_finite(arrays):
             return step, host, arrays["params"], arrays["opt_state"]

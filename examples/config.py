@@ -1,6 +1,6 @@
 """Every setting of a training run, its defaults per config and recipe, and the flags.
 
-A TrainConfig field left None is filled by `resolve`: from the recipe first (RECIPES),
+A TrainConfig field left None is filled by `check`: from the recipe first (RECIPES),
 then from the config's preset (PRESETS); an explicit value always wins. The andrea
 presets follow the ANDREA documents (peak lr 3e-4, a 2000-step warmup, so step 1 has lr
 1.5e-7); `tiny` uses a higher peak and a short warmup so it learns within minutes on a
@@ -9,15 +9,20 @@ CPU. "auto" settings (dtype, attention) are resolved for the platform the run is
 
 import argparse
 import dataclasses
+import math
 import os
 
-import jax
 import numpy as np
 
 import bandit
 import corpus
-import model as model_lib
 import tokenizer as tokenizer_lib
+
+ANDREA_VOCAB_SIZE = 8449
+REMAT_CHOICES = ("none", "block", "dots")  # model.py's REMAT_POLICIES, and "none"
+# Learned positions up to this many tokens (8x andrea-120m's context); a longer context is
+# a typo more often than a plan, and would compile for minutes before it failed.
+MAX_CONTEXT_LENGTH = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,7 @@ class TrainConfig:
   num_processes: int | None = None
   process_id: int | None = None
   heartbeat_timeout_s: int = 100  # a process silent this long stops the others
-  vocab_size: int = model_lib.ANDREA_VOCAB_SIZE
+  vocab_size: int = ANDREA_VOCAB_SIZE
   seed: int = 0
   sources: tuple[str, ...] = ()  # "NAME=PATH_OR_GLOB"; unnamed sources use the default
   max_source_mb: float = 16.0
@@ -92,7 +97,7 @@ RECIPES = {
 CHOICES = {"config": tuple(PRESETS), "recipe": tuple(RECIPES),
            "clip_impl": ("auto", "jax", "ffi"), "clip_mode": ("global", "per_tensor"),
            "spike": ("off", "zscore", "skip"), "dtype": ("auto", "float32", "bfloat16"),
-           "attention": ("auto", "xla", "cudnn"), "remat": tuple(model_lib.REMAT_CHOICES)}
+           "attention": ("auto", "xla", "cudnn"), "remat": REMAT_CHOICES}
 # Settings a resumed run must share with the checkpoint for its losses to be the same.
 RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "peak_lr",
                 "warmup_steps", "weight_decay", "max_norm", "end_lr_ratio", "clip_mode",
@@ -103,9 +108,10 @@ class ConfigError(ValueError):
   """A setting that cannot be used; the message names the flag."""
 
 
-def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
-  """Fills the None fields from the recipe and the preset, the "auto" ones for `platform`
-  (default: JAX's default backend), and checks every setting."""
+def check(cfg: TrainConfig) -> TrainConfig:
+  """Fills the None fields from the recipe and the preset, and checks every setting: the
+  flags, the --source patterns and the directories, before anything is read or written,
+  and without jax (the "auto" settings stay: `resolve` fills them for the platform)."""
   for field, choices in CHOICES.items():
     if getattr(cfg, field) not in choices:
       raise ConfigError(f"--{field.replace('_', '-')} {getattr(cfg, field)!r}: "
@@ -115,20 +121,53 @@ def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
   filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
-  cfg = dataclasses.replace(cfg, **resolve_for_platform(cfg, platform or jax.default_backend()))
+  _check_numbers(cfg)
+  for field in ("out_dir", "cache_dir"):
+    _check_directory(f"--{field.replace('_', '-')}", getattr(cfg, field))
+  corpus.check_source_flags(cfg.sources)
+  return cfg
+
+
+def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
+  """`check(cfg)` with the "auto" settings filled for `platform` ("cpu", "gpu", ...;
+  default: JAX's default backend)."""
+  cfg = check(cfg)
+  if platform is None:
+    import jax  # noqa: PLC0415 - `check` runs before jax is imported
+    platform = jax.default_backend()
+  return dataclasses.replace(cfg, **resolve_for_platform(cfg, platform))
+
+
+def _flag(field: str) -> str:
+  return "--" + field.replace("_", "-")
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+  """Every numeric setting in its range; a NaN or infinity anywhere is refused."""
+  floats = {field.name: getattr(cfg, field.name) for field in dataclasses.fields(cfg)
+            if isinstance(getattr(cfg, field.name), float)}
+  floats.update({f"bandit_{k}": v for k, v in dataclasses.asdict(cfg.bandit_config).items()})
+  for field, value in floats.items():
+    if not math.isfinite(value):
+      raise ConfigError(f"{_flag(field)} must be a finite number, got {value}")
   positive = ("steps", "batch_size", "peak_lr", "checkpoint_every", "max_source_mb",
-              "sample_tokens", "nonfinite_stop", "keep_checkpoints", "log_every")
+              "sample_tokens", "nonfinite_stop", "keep_checkpoints", "log_every",
+              "heartbeat_timeout_s")
   for field in positive:
     if not getattr(cfg, field) > 0:
-      raise ConfigError(f"--{field.replace('_', '-')} must be > 0, got {getattr(cfg, field)}")
+      raise ConfigError(f"{_flag(field)} must be > 0, got {getattr(cfg, field)}")
   for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
     if getattr(cfg, field) < 0:
-      raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, got {getattr(cfg, field)}")
+      raise ConfigError(f"{_flag(field)} must be >= 0, got {getattr(cfg, field)}")
+  if not 0 <= cfg.end_lr_ratio <= 1:
+    raise ConfigError(f"--end-lr-ratio must be in [0, 1] (the decay ends at peak-lr times "
+                      f"it), got {cfg.end_lr_ratio}")
   if cfg.spike != "off" and cfg.max_norm <= 0:
     raise ConfigError(f"--spike {cfg.spike} works through the clip: it needs --max-norm > 0 "
                       f"(recipe {cfg.recipe} has {cfg.max_norm:g})")
-  if cfg.context_length < 2:
-    raise ConfigError(f"--context-length must be >= 2, got {cfg.context_length}")
+  if not 2 <= cfg.context_length <= MAX_CONTEXT_LENGTH:
+    raise ConfigError(f"--context-length must be in [2, {MAX_CONTEXT_LENGTH}], "
+                      f"got {cfg.context_length}")
   if cfg.vocab_size < 257:  # the 256 byte tokens and the end-of-text token
     raise ConfigError(f"--vocab-size must be >= 257, got {cfg.vocab_size}")
   if cfg.stop_after_step is not None and not 1 <= cfg.stop_after_step <= cfg.steps:
@@ -149,7 +188,19 @@ def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
     raise ConfigError(f"--bandit-floor: {e}") from None
   if not 0 <= cfg.bandit_config.smoothing < 1:
     raise ConfigError(f"--bandit-smoothing must be in [0, 1), got {cfg.bandit_config.smoothing}")
-  return cfg
+
+
+def _check_directory(flag: str, path: str) -> None:
+  """`path` is a directory, or can be made one: no file stands in its way and the
+  nearest directory that exists is writable."""
+  existing = os.path.abspath(os.path.expanduser(path))
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = "it" if existing == os.path.abspath(os.path.expanduser(path)) else existing
+    raise ConfigError(f"{flag} {path}: {where} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"{flag} {path}: the directory {existing} is not writable")
 
 
 def resolve_for_platform(cfg: TrainConfig, platform: str) -> dict:
@@ -232,8 +283,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                  help=f"read a source ({', '.join(corpus.SOURCE_NAMES)}) from a file, "
                       "directory or glob: plain text (a document per file) or JSONL "
                       "(question/answer or text fields), .gz/.bz2/.xz decompressed, binary "
-                      "files skipped; repeatable; sources not named use the default text "
-                      "of the installed Python")
+                      "files skipped; repeatable; sources not named use the default "
+                      "corpus shipped in examples/data/")
   p.add_argument("--max-source-mb", type=float, default=d.max_source_mb,
                  help="text read per source (default: %(default)s)")
   p.add_argument("--bandit-eta", type=float, default=d.bandit_config.eta,

@@ -11,15 +11,18 @@ Each source has a distinct form, as in the ANDREA documents:
 meaning every file below it, or a glob; read in sorted order). Each file is
 
 - decompressed first if its name ends in .gz, .bz2 or .xz;
-- skipped, with one warning line naming it, if it is binary (it holds a NUL byte, or more
-  than MAX_INVALID_UTF8_SHARE of its bytes are not UTF-8), holds no text, or does not
-  decompress;
+- skipped, with one warning line naming it, if it is binary (more than MAX_BINARY_SHARE
+  of its bytes are control bytes other than whitespace, NUL among them, or are not UTF-8),
+  holds no text, or does not decompress; text with a few such bytes (a GNU info manual's
+  node separators and odd NULs) is kept;
 - JSONL if its first non-blank line is a JSON object, whatever the file is called: one
-  document per line, from `question` and `answer` fields or a `text` field;
+  document per line, from `question` and `answer` fields or a `text` field, each a string
+  (any other line stops the run, naming the file and line);
 - otherwise one plain-text document.
 
 A source whose files are all skipped is an error naming the source and every file. Sources
-not named on the command line use the default text (default_corpus.py).
+not named on the command line read the default corpus's file of the same form
+(default_corpus.py), in the same way.
 
 The last HELD_OUT_SHARE of each source's text (by characters) is held out of training;
 the samples at the end of a run continue prompts cut from it.
@@ -36,7 +39,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 import default_corpus
 
 SOURCE_NAMES = ("repo-docs", "gutenberg", "hermes3-general")
-MAX_INVALID_UTF8_SHARE = 0.01
+MAX_BINARY_SHARE = 0.01
+# C0 control bytes and DEL, less the whitespace that text uses (tab, LF, VT, FF, CR).
+_CONTROL_BYTES = bytes(b for b in [*range(32), 127] if b not in b"\t\n\v\f\r")
 HELD_OUT_SHARE = 0.05
 PROMPT_CHARS = 64
 _DECOMPRESS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
@@ -64,6 +69,12 @@ def parse_source_flags(flags: Sequence[str]) -> dict[str, str]:
   return paths
 
 
+def check_source_flags(flags: Sequence[str]) -> None:
+  """The --source flags parse and each names files, before anything is read."""
+  for name, pattern in parse_source_flags(flags).items():
+    source_files(name, pattern)
+
+
 def load_corpus(source_paths: dict[str, str], max_bytes: int,
                 warn: Callable[[str], None] = print) -> dict[str, list[str]]:
   """All three sources: the user's files where given, else the default text; at most
@@ -73,7 +84,10 @@ def load_corpus(source_paths: dict[str, str], max_bytes: int,
     if name in source_paths:
       docs = read_source_files(name, source_paths[name], warn)
     else:
-      docs = default_corpus.SOURCES[name]()
+      try:
+        docs = read_source_files(name, default_corpus.source_path(name), warn)
+      except default_corpus.DefaultCorpusError as e:
+        raise SourceError(f"source {name!r}: {e}") from None
     corpus[name] = _take(docs, max_bytes)
     if not corpus[name]:
       raise SourceError(f"source {name!r}: no text found")
@@ -86,12 +100,7 @@ def load_corpus(source_paths: dict[str, str], max_bytes: int,
 def read_source_files(name: str, pattern: str,
                       warn: Callable[[str], None] = print) -> Iterator[str]:
   """Documents from a file, a directory (all files below it) or a glob."""
-  pattern = os.path.expanduser(pattern)
-  if os.path.isdir(pattern):
-    pattern = os.path.join(pattern, "**", "*")
-  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-  if not paths:
-    raise SourceError(f"source {name!r}: no file matches {pattern!r}")
+  paths = source_files(name, pattern)
   found, skipped = False, []
   for path in paths:
     text, problem = read_text(path)
@@ -107,6 +116,20 @@ def read_source_files(name: str, pattern: str,
                       + ", ".join(skipped))
 
 
+def source_files(name: str, pattern: str) -> list[str]:
+  """The files of a --source: the file, every file below the directory, or the glob's
+  matches, in sorted order; an error naming the source if there are none."""
+  pattern = os.path.expanduser(pattern)
+  if os.path.isfile(pattern):  # a file is itself, whatever characters its name holds
+    return [pattern]
+  if os.path.isdir(pattern):
+    pattern = os.path.join(glob.escape(pattern), "**", "*")
+  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise SourceError(f"source {name!r}: no file matches {pattern!r}")
+  return paths
+
+
 def read_text(path: str) -> tuple[str | None, str | None]:
   """(the file's text, None), or (None, why it is not text)."""
   with open(path, "rb") as f:
@@ -117,10 +140,12 @@ def read_text(path: str) -> tuple[str | None, str | None]:
       data = _DECOMPRESS[suffix](data)
     except _DECOMPRESS_ERRORS as e:
       return None, f"does not decompress as {suffix} ({type(e).__name__}: {e})"
-  if b"\0" in data:
-    return None, "binary (it holds NUL bytes)"
+  control = len(data) - len(data.translate(None, _CONTROL_BYTES))
+  if control > MAX_BINARY_SHARE * len(data):
+    return None, (f"binary ({control / len(data):.1%} of its bytes are control bytes, "
+                  f"{data.count(0)} of them NUL)")
   invalid = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
-  if invalid > MAX_INVALID_UTF8_SHARE * len(data):
+  if invalid > MAX_BINARY_SHARE * len(data):
     return None, f"binary ({invalid / len(data):.0%} of its bytes are not UTF-8)"
   return data.decode("utf-8", errors="replace").removeprefix("\ufeff"), None
 
@@ -154,11 +179,24 @@ def _jsonl_document(where: str, line: str) -> str:
   except json.JSONDecodeError as e:
     raise SourceError(f"{where}: not valid JSON ({e.msg})") from None
   if isinstance(record, dict) and "question" in record and "answer" in record:
-    return default_corpus.format_qa(str(record["question"]), str(record["answer"]))
+    return format_qa(_string(where, record, "question"), _string(where, record, "answer"))
   if isinstance(record, dict) and "text" in record:
-    return str(record["text"])
+    return _string(where, record, "text")
   raise SourceError(f"{where}: expected an object with 'question' and 'answer' fields "
                     "(or a 'text' field)")
+
+
+def _string(where: str, record: dict, field: str) -> str:
+  value = record[field]
+  if not isinstance(value, str):
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise SourceError(f"{where}: the {field!r} field is {shown}, not a string")
+  return value
+
+
+def format_qa(question: str, answer: str) -> str:
+  return f"Question: {question.strip()}\nAnswer: {answer.strip()}"
 
 
 def _take(docs: Iterable[str], max_bytes: int) -> list[str]:

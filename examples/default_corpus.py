@@ -1,138 +1,47 @@
-"""The default text of the three sources, from the Python installed on this machine.
+"""The default text of the three sources: a fixed, versioned corpus shipped with the
+example (data/VERSION/), the same bytes on every machine and every Python.
 
-The example needs no download and the repository ships no data: each source has a
-default with the form of its ANDREA counterpart, read from files every Python
-installation has.
+  repo-docs        list-structured docs: the READMEs, .md and .rst files of Python
+                   packages under permissive licences (Apache-2.0, MIT, BSD, PSF-2.0)
+  gutenberg        long prose: the Python Language Reference's topics (pydoc_data), then
+                   long module docstrings of the standard library (CPython 3.11.7, PSF-2.0)
+  hermes3-general  question & answer: "What does `json.dumps` do?" -> the first paragraph
+                   of its docstring, for the standard library's public functions, classes
+                   and methods (CPython 3.11.7, PSF-2.0)
 
-  repo-docs        the README (METADATA body), .md and .rst files of installed packages
-  gutenberg        the long reference texts in `pydoc_data.topics` and long stdlib module
-                   docstrings
-  hermes3-general  "What does `json.dumps` do?" -> the first paragraph of its docstring,
-                   for public functions, classes and methods of the stdlib (read with
-                   `ast`, nothing is imported)
-
-File lists are sorted, so the default corpus is the same on every run on one machine.
+Each is an xz-compressed JSONL file, read like a user's `--source` file, each record
+naming its origin; data/README.md says where the text comes from and under which
+licence, and data/make_default_corpus.py how it was made. The files are checked against
+their SHA-256 before they are read.
 """
 
-import ast
-import functools
+import hashlib
 import os
-import pydoc_data.topics
-import site
-import sysconfig
-import warnings
-from typing import Iterator
 
-_SKIPPED_DIRS = frozenset(
-    {"__pycache__", "test", "tests", "testing", "idle_test", "site-packages",
-     "idlelib", "lib2to3", "turtledemo", "ensurepip", "licenses", "node_modules"})
-_SKIPPED_FILE_PREFIXES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "AUTHORS")
-_MIN_DOC_CHARS = 200
-_MIN_MODULE_DOC_CHARS = 1500
-_MIN_ANSWER_CHARS = 40
+VERSION = "v1"
+DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", VERSION)
+SHA256 = {
+    "repo-docs": "4e13b517a8a1cf87b292fb79037c93e87286aa089cb1e8dff573e27082dc587e",
+    "gutenberg": "629fafa606c55bfd7fd5ad4dfa5fe78fa3b1a8aa21d4a5239341657ea5364544",
+    "hermes3-general": "02ac62a537ae5a2ce127ab15c8d5c82562421198daebd7c9c9cc52d23454dde4",
+}
 
 
-def format_qa(question: str, answer: str) -> str:
-  return f"Question: {question.strip()}\nAnswer: {answer.strip()}"
+class DefaultCorpusError(ValueError):
+  """A default corpus file that is missing or not the one this version ships."""
 
 
-def _walk_sorted(root: str) -> Iterator[str]:
-  for directory, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
-    for filename in sorted(filenames):
-      yield os.path.join(directory, filename)
-
-
-def _site_packages_dirs() -> list[str]:
-  dirs = set(site.getsitepackages())
-  dirs.update(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-  if site.ENABLE_USER_SITE:
-    dirs.add(site.getusersitepackages())
-  return sorted(d for d in dirs if os.path.isdir(d))
-
-
-def repo_docs() -> Iterator[str]:
-  for root in _site_packages_dirs():
-    for path in _walk_sorted(root):
-      filename = os.path.basename(path)
-      is_metadata = filename == "METADATA" and path.endswith(".dist-info/METADATA")
-      if filename.upper().startswith(_SKIPPED_FILE_PREFIXES):
-        continue
-      if not (is_metadata or filename.endswith((".md", ".rst"))):
-        continue
-      with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-      if is_metadata:  # the headers end at the first blank line; the body is the README
-        text = text.partition("\n\n")[2]
-      if len(text.strip()) >= _MIN_DOC_CHARS:
-        yield text.strip()
-
-
-def gutenberg() -> Iterator[str]:
-  for _, text in sorted(pydoc_data.topics.topics.items()):
-    if len(text) >= _MIN_DOC_CHARS:
-      yield text.strip()
-  module_docs, _ = _parsed_stdlib()
-  yield from (doc for doc in module_docs if len(doc) >= _MIN_MODULE_DOC_CHARS)
-
-
-def hermes3_general() -> Iterator[str]:
-  _, definitions = _parsed_stdlib()
-  for qualname, docstring, is_class in definitions:
-    answer = " ".join(docstring.split("\n\n")[0].split())
-    if len(answer) < _MIN_ANSWER_CHARS:
-      continue
-    question = (f"What is `{qualname}`?" if is_class else f"What does `{qualname}` do?")
-    yield format_qa(question, answer)
-
-
-@functools.lru_cache(maxsize=1)
-def _parsed_stdlib() -> tuple[list[str], list[tuple[str, str, bool]]]:
-  """Module docstrings, and (qualified name, docstring, is_class) of the public
-  functions, classes and methods, of every public stdlib module."""
-  stdlib = sysconfig.get_paths()["stdlib"]
-  module_docs, definitions = [], []
-  for path in _walk_sorted(stdlib):
-    module = _module_name(stdlib, path)
-    if module is None:
-      continue
-    try:
-      with open(path, encoding="utf-8") as f, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tree = ast.parse(f.read())
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-      continue
-    doc = ast.get_docstring(tree)
-    if doc:
-      module_docs.append(doc)
-    definitions.extend(_public_definitions(tree, module))
-  return module_docs, definitions
-
-
-def _module_name(stdlib: str, path: str) -> str | None:
-  if not path.endswith(".py"):
-    return None
-  parts = os.path.relpath(path, stdlib)[:-len(".py")].split(os.sep)
-  if parts[-1] == "__init__":
-    parts = parts[:-1]
-  if not parts or any(p.startswith("_") for p in parts):
-    return None
-  return ".".join(parts)
-
-
-def _public_definitions(node: ast.AST, prefix: str) -> Iterator[tuple[str, str, bool]]:
-  for child in getattr(node, "body", []):
-    if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-      continue
-    if child.name.startswith("_"):
-      continue
-    qualname = f"{prefix}.{child.name}"
-    doc = ast.get_docstring(child)
-    is_class = isinstance(child, ast.ClassDef)
-    if doc:
-      yield qualname, doc, is_class
-    if is_class:
-      yield from _public_definitions(child, qualname)
-
-
-SOURCES = {"repo-docs": repo_docs, "gutenberg": gutenberg, "hermes3-general": hermes3_general}
+def source_path(name: str) -> str:
+  """The default corpus file of source `name`, checked against its SHA-256."""
+  path = os.path.join(DIRECTORY, f"{name}.jsonl.xz")
+  try:
+    with open(path, "rb") as f:
+      digest = hashlib.sha256(f.read()).hexdigest()
+  except OSError as e:
+    raise DefaultCorpusError(f"the default corpus file {path} cannot be read "
+                             f"({e.strerror}); restore it from the repository") from None
+  if digest != SHA256[name]:
+    raise DefaultCorpusError(
+        f"the default corpus file {path} has SHA-256 {digest}, not {VERSION}'s "
+        f"{SHA256[name]}; restore it from the repository (`git checkout -- {path}`)")
+  return path

@@ -3,12 +3,12 @@
 `train(cfg)` runs (or resumes) a run and returns every metrics record of it so far:
 
   distributed.launch  joins the run's other processes, if it has any
-  open_run_dir   refuses a directory that holds an earlier run, unless --resume or
-                 --overwrite
-  load_data      the sources (held-out text split off), the tokenizer, the token streams
   make_mesh      the device mesh (--mesh) and the batch sharding
+  load_data      the sources (held-out text split off), the tokenizer, the token streams
   init_model     the GPT's graph and initial parameters, made on the mesh
-  restore        on --resume, the latest usable checkpoint
+  open_run_dir   only then, the run directory (run_dir.py): an earlier run is refused
+                 unless --resume, and set aside, not deleted, by --overwrite
+  restore        on --resume, the latest usable checkpoint of the same settings
   steps.run_steps  phases and the bandit, the jitted step, the metrics log, checkpoints
   report         summary.json, report.png and samples.txt, once the last step is done
 
@@ -18,7 +18,6 @@ steps themselves (benchmark.py).
 
 import dataclasses
 import os
-import shutil
 import time
 from typing import Any
 
@@ -36,6 +35,7 @@ import metrics
 import model as model_lib
 import pipeline
 import report
+import run_dir as run_dir_lib
 import sharding
 import status
 import steps
@@ -45,9 +45,6 @@ import train_step as train_step_lib
 from config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
 from steps import State, Stopped, TrainingDiverged  # noqa: F401 - the loop's API
 
-# What a run writes into its directory; an earlier run is recognised by any of them.
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",
-             "checkpoints", "checkpoints-unusable")
 # Errors in what the user gave: a flag, a source, the run directory. One line, no traceback.
 USER_ERRORS = (ConfigError, corpus.SourceError, checkpoint.CheckpointError,
                sharding.MeshError)
@@ -74,33 +71,50 @@ def train(cfg: TrainConfig) -> list[dict]:
   """Runs (or resumes) training; returns every metrics record of the run so far."""
   run = start(cfg)
   try:
-    stopped_at = steps.run_steps(run.loop, run.state)
-  finally:
-    finish(run)
-  cfg = run.loop.cfg
-  if run.loop.last_step == cfg.steps:
-    report.write_report(cfg, run.loop.log.records, run.graphdef, run.state.params,
-                        run.data.tokenizer, run.data.prompts, run.loop.started, stopped_at,
-                        run.loop.flops_per_token, run.loop.peak_flops)
+    try:
+      stopped_at = steps.run_steps(run.loop, run.state)
+    finally:
+      finish(run)
+    cfg = run.loop.cfg
+    if run.loop.last_step == cfg.steps:
+      report.write_report(cfg, run.loop.log.records, run.graphdef, run.state.params,
+                          run.data.tokenizer, run.data.prompts, run.loop.started, stopped_at,
+                          run.loop.flops_per_token, run.loop.peak_flops)
+  except BaseException:
+    run.loop.run_dir.restore_earlier()  # no checkpoint yet: the run it replaced stays
+    raise
+  run.loop.run_dir.keep_new()
   distributed.barrier("the run is complete")
   return run.loop.log.records
 
 
 def start(cfg: TrainConfig) -> Run:
-  """Everything before the first step: processes, run directory, data, model, optimizer,
-  the jitted step, and the restored state on --resume."""
+  """Everything before the first step: processes, data, model, optimizer, the jitted
+  step, then the run directory, and the restored state on --resume. An error after the
+  directory is open puts back a run that --overwrite had set aside."""
   started = time.perf_counter()
   distributed.launch(cfg.coordinator, cfg.num_processes, cfg.process_id,
                      cfg.heartbeat_timeout_s)
   cfg = resolve(cfg)
   mesh = make_mesh(cfg)
-  open_run_dir(cfg)
   data = load_data(cfg)
   graphdef, params = init_model(cfg, mesh)
   tx = train_step_lib.make_optimizer(cfg)
   opt_state = init_opt_state(tx, params, mesh)
   train_step = train_step_lib.make_train_step(graphdef, tx, cfg, len(corpus.SOURCE_NAMES),
                                               mesh, params, opt_state)
+  run_dir = open_run_dir(cfg)
+  try:
+    return _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state,
+                         train_step)
+  except BaseException:
+    run_dir.restore_earlier()
+    raise
+
+
+def _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state, train_step):
+  """`start`'s part once the run directory is open: checkpoints, the restored state, the
+  metrics log and the loop."""
   checkpoints = checkpoint.RunCheckpoints(os.path.join(cfg.out_dir, "checkpoints"),
                                           fresh=not cfg.resume, keep=cfg.keep_checkpoints)
   identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k in RUN_IDENTITY}
@@ -120,7 +134,7 @@ def start(cfg: TrainConfig) -> Run:
       prefetcher=pipeline.Prefetcher(data.streams, seed=cfg.seed, batch_size=cfg.batch_size,
                                      context_length=cfg.context_length,
                                      sharding=sharding.batch_sharding(mesh)),
-      checkpoints=checkpoints, log=log,
+      checkpoints=checkpoints, run_dir=run_dir, log=log,
       say=bar.write if cfg.progress and distributed.is_main() else status.say,
       bar=bar, identity=identity, phase_starts=bandit.phase_starts(cfg.seed, cfg.steps),
       last_step=last_step, started=started,
@@ -144,20 +158,20 @@ def finish(run: Run) -> None:
 # --- Before the first step --------------------------------------------------------
 
 
-def open_run_dir(cfg: TrainConfig) -> None:
-  """Makes the run directory. One that holds an earlier run is refused, unless --resume
-  continues that run or --overwrite removes its files."""
-  earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
-  if earlier and not (cfg.resume or cfg.overwrite):
-    raise ConfigError(
-        f"--out-dir {cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass "
-        "--resume to continue it or --overwrite to replace it")
-  if cfg.overwrite and distributed.is_main():
-    for name in earlier:
-      path = os.path.join(cfg.out_dir, name)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  os.makedirs(cfg.out_dir, exist_ok=True)
-  distributed.barrier("the run directory is ready")
+def open_run_dir(cfg: TrainConfig) -> run_dir_lib.RunDir:
+  """The run directory (run_dir.py), opened by process 0 while the others wait; where it
+  is refused (an earlier run, without --resume or --overwrite) every process raises."""
+  run_dir, error = run_dir_lib.RunDir(cfg.out_dir, None), None
+  if distributed.is_main():
+    try:
+      run_dir = run_dir_lib.open_run_dir(cfg.out_dir, resume=cfg.resume,
+                                         overwrite=cfg.overwrite, say=status.say)
+    except ConfigError as e:
+      error = e
+  if not distributed.agree(error is None):  # also: the others wait for process 0 here
+    raise error or ConfigError(f"--out-dir {cfg.out_dir}: process 0 refused it (its own "
+                               "message says why)")
+  return run_dir
 
 
 def load_data(cfg: TrainConfig) -> Data:
@@ -219,26 +233,41 @@ def init_opt_state(tx, params, mesh):
 
 def restore(cfg: TrainConfig, checkpoints: checkpoint.RunCheckpoints, params, opt_state,
             identity: dict) -> State:
-  """The state after the latest usable checkpoint on --resume, else the initial state."""
+  """The state after the latest usable checkpoint on --resume, else the initial state.
+
+  A checkpoint of other settings is refused, naming them, and nothing is moved. A resume
+  that finds no checkpoint at all starts at step 1 only where no metrics of an earlier
+  run would be lost.
+  """
   initial = State(params, opt_state, bandit.BanditState.initial(len(corpus.SOURCE_NAMES)), 0)
   if not cfg.resume:
     return initial
-  restored = checkpoints.restore_latest_good(params, opt_state, status.say)
+
+  def check_settings(host: dict) -> None:
+    changed = [f"{k}={host['identity'].get(k)!r} (now {v!r})" for k, v in identity.items()
+               if host["identity"].get(k) != v]
+    if changed:
+      raise ConfigError(f"--resume: the checkpoint in {checkpoints.directory} was made "
+                        f"with other settings: {'; '.join(changed)}")
+
+  restored = checkpoints.restore_latest_good(params, opt_state, status.say, check_settings)
   if restored is None:
+    path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if records := metrics.read_records(path, damaged=[]):
+      raise ConfigError(
+          f"--resume: {cfg.out_dir} has no checkpoint to continue from, and {path} holds "
+          f"{len(records)} records of an earlier run; pass --overwrite (without --resume) "
+          "to replace that run")
     return initial
   step, host, params, opt_state = restored
-  changed = [f"{k}={host['identity'].get(k)!r} (now {v!r})" for k, v in identity.items()
-             if host["identity"].get(k) != v]
-  if changed:
-    raise ConfigError(f"--resume: the checkpoint in {checkpoints.directory} was made with "
-                      f"other settings: {'; '.join(changed)}")
   return State(params, opt_state, bandit.BanditState.from_json(host["bandit"]), step)
 
 
 def open_metrics_log(cfg: TrainConfig, step_done: int) -> metrics.MetricsLog:
   """metrics.jsonl cut back to the restored step; one warning if step records are lost."""
   path = os.path.join(cfg.out_dir, "metrics.jsonl")
-  log = metrics.MetricsLog(path, resume_after_step=step_done, write=distributed.is_main())
+  log = metrics.MetricsLog(path, resume_after_step=step_done, write=distributed.is_main(),
+                           warn=status.say)
   if missing := metrics.missing_steps(log.records, step_done):
     status.say(f"warning: {path} lacks the records of {len(missing)} of the {step_done} "
                f"steps before this resume (first: step {missing[0]}); the report covers "

@@ -32,20 +32,33 @@ def write_json_atomic(path: str, obj) -> None:
   write_atomic(path, lambda f: json.dump(obj, f, indent=2))
 
 
-def read_records(path: str) -> list[dict]:
-  """The records of a metrics log; a last line cut short by a kill is dropped."""
+def read_records(path: str, damaged: list | None = None) -> list[dict]:
+  """The records of a metrics log; a last line cut short by a kill is dropped.
+
+  Any other line that is not a record (not a JSON object with a kind and a step) is
+  appended to `damaged` as (line number, text) where a list is given; otherwise it is a
+  ValueError naming the file and line.
+  """
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    lines = [line for line in f.read().split("\n") if line.strip()]
+  with open(path, errors="replace") as f:
+    lines = [(n, line) for n, line in enumerate(f.read().split("\n"), start=1) if line.strip()]
   records = []
-  for i, line in enumerate(lines):
+  for i, (line_number, line) in enumerate(lines):
     try:
-      records.append(json.loads(line))
+      record = json.loads(line)
+      problem = None if isinstance(record, dict) and {"kind", "step"} <= set(record) \
+          else "not a record with a kind and a step"
     except json.JSONDecodeError as e:
       if i == len(lines) - 1:
         break  # a kill during the last append
-      raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+      problem = f"not JSON ({e})"
+    if problem is None:
+      records.append(record)
+    elif damaged is None:
+      raise ValueError(f"{path}: line {line_number} is {problem}")
+    else:
+      damaged.append((line_number, line))
   return records
 
 
@@ -97,15 +110,25 @@ def missing_steps(records: list[dict], through_step: int) -> list[int]:
   return [s for s in range(1, through_step + 1) if s not in have]
 
 
+DAMAGED_SUFFIX = ".damaged"  # metrics.jsonl's damaged lines, set aside on a resume
+
+
 class MetricsLog:
   """metrics.jsonl: one JSON record a line, appended and flushed as the run goes."""
 
-  def __init__(self, path: str, *, resume_after_step: int, write: bool = True):
-    """Keeps the records of steps <= resume_after_step (none for a fresh run). Without
-    `write` (the processes other than 0) the records are kept in memory only."""
+  def __init__(self, path: str, *, resume_after_step: int, write: bool = True, warn=print):
+    """Keeps the records of steps <= resume_after_step (none for a fresh run). Damaged
+    lines are not dropped: they are appended to DAMAGED_SUFFIX's file, with one warning.
+    Without `write` (the processes other than 0) the records are kept in memory only."""
     self.path = path
-    kept = [r for r in read_records(path) if r["step"] <= resume_after_step]
+    damaged = []
+    kept = [r for r in read_records(path, damaged) if r["step"] <= resume_after_step]
     if write:
+      if damaged:
+        with open(path + DAMAGED_SUFFIX, "a") as f:
+          f.writelines(f"{path}:{n}: {line}\n" for n, line in damaged)
+        warn(f"warning: {path}: {len(damaged)} damaged line(s) (first: line {damaged[0][0]}) "
+             f"moved to {path + DAMAGED_SUFFIX}; the good records are kept")
       write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept))
     self.records = kept
     self._file = open(path, "a") if write else None

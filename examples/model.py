@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ANDREA_VOCAB_SIZE = 8449
+from config import ANDREA_VOCAB_SIZE, REMAT_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ModelConfig:
 # nothing (everything is recomputed); "dots" keeps the matmuls' outputs.
 REMAT_POLICIES = {"block": None,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-REMAT_CHOICES = ("none", *REMAT_POLICIES)
+assert REMAT_CHOICES == ("none", *REMAT_POLICIES)  # the flag's choices (config.py)
 
 # Architectures only; context length, vocab, dtype, attention and remat are set by the
 # training flags.

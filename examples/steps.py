@@ -38,6 +38,7 @@ import corpus
 import distributed
 import metrics
 import pipeline
+import run_dir as run_dir_lib
 import sharding
 import status
 import throughput
@@ -74,6 +75,7 @@ class Loop:
   train_step: Callable
   prefetcher: pipeline.Prefetcher
   checkpoints: checkpoint.RunCheckpoints
+  run_dir: run_dir_lib.RunDir
   log: metrics.MetricsLog
   say: Callable[[str], None]  # one line, above the progress bar
   bar: tqdm
@@ -207,3 +209,4 @@ def save_checkpoint(loop: Loop, state: State) -> None:
       "step": step, "bandit": state.bandit.to_json(), "identity": loop.identity})
   loop.say(f"step {step}: checkpoint {path} "
            f"({checkpoint.directory_bytes(path) / 2**20:.1f} MB)")
+  loop.run_dir.keep_new()  # a run replaced by --overwrite is deleted only now

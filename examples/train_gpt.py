@@ -10,7 +10,7 @@
 
   config.py          every setting, the presets and recipes, the flags
   corpus.py          the sources: the user's files, held-out text, sample prompts
-  default_corpus.py  the default text, from the installed Python
+  default_corpus.py  the default corpus: fixed, versioned files in data/
   tokenizer.py       BPE training, the cache, token streams
   bandit.py          phases and the EXP3 weights
   pipeline.py        batch sampling on a thread, the device batches a step ahead
@@ -18,6 +18,7 @@
   train_step.py      the optimizer and the jitted, donated step
   sharding.py        the device mesh (--mesh) and where each array lives on it
   distributed.py     a run of several processes: launch, process 0's writes
+  run_dir.py         the run directory: an earlier run refused, or set aside until replaced
   loop.py            the training run: `loop.train(TrainConfig(...))` from Python
   steps.py           the steps in order: the jitted step, metrics in groups, checkpoints
   throughput.py      FLOPs per token, the devices' peak, MFU
@@ -30,13 +31,19 @@
 import sys
 
 import config
-import distributed
-import loop
+import corpus
 
 
 def main(argv: list[str] | None = None) -> None:
-  """Runs the flags' training; a bad flag, source or run directory is one error line."""
+  """Runs the flags' training; a bad flag, source or run directory is one error line.
+  Every flag is checked before jax is imported, which takes a while."""
   parser, cfg = config.parse_args(argv)
+  try:
+    cfg = config.check(cfg)
+  except (config.ConfigError, corpus.SourceError) as e:
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
+  import distributed  # noqa: PLC0415 - these import jax
+  import loop  # noqa: PLC0415
   with distributed.exit_on_error(), distributed.handle_sigterm():
     try:
       loop.train(cfg)

@@ -5,7 +5,6 @@ import math
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -13,7 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from watched import run_watched
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 # Set in a subprocess that runs a test file on N forced CPU devices: N.
 _DEVICES_ENV = "CLIPJAX_TEST_SHARDED_DEVICES"
 
@@ -32,7 +34,7 @@ def f64_norm(tree) -> float:
   """Reference global norm in float64 (NumPy), chunked to bound memory."""
   total = 0.0
   for leaf in jax.tree.leaves(tree):
-    flat = np.asarray(jnp.asarray(leaf).astype(jnp.float32)).reshape(-1)
+    flat = np.asarray(leaf).astype(np.float32).reshape(-1)  # NumPy: no compile per shape
     for start in range(0, flat.size, 1 << 24):
       part = flat[start:start + (1 << 24)].astype(np.float64)
       total += float(np.dot(part, part))
@@ -80,9 +82,9 @@ def run_file_on_cpu_devices(test_file, count):
     pytest.skip(f"{jax.device_count()} devices already: the tests of this file run here")
   flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
   env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_DEVICES_ENV: str(count)})
-  run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
-                       env=env, capture_output=True, text=True, timeout=900)
-  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+  run = run_watched([sys.executable, "-m", "pytest", "-v", "-m", "not fuzz", "-p",
+                     "no:cacheprovider", test_file], env=env)
+  assert run.returncode == 0, run.stdout[-12000:]
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _dispatch, _ffi, _native
+from clipjax import _dispatch, _native
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, float("nan"), float("inf"), -float("inf"), True])

@@ -16,15 +16,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchlib import clips, profiling, timing, trees  # noqa: E402
 from conftest import load_script  # noqa: E402
+from watched import run_watched  # noqa: E402
 
 
 def run_quick(script, tmp_path, *args, **env):
   """Runs `script --quick`; returns (its JSON, its stdout)."""
   out = tmp_path / "out.json"
-  run = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out),
-                        *args], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
-                       text=True, timeout=900)
-  assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+  run = run_watched([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out),
+                     *args], cwd=ROOT, env=dict(os.environ, **env))
+  assert run.returncode == 0, run.stdout[-12000:]
   return json.loads(out.read_text()), run.stdout
 
 
@@ -33,6 +33,7 @@ def find(rows, **keys):
   return row
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_clip_quick(tmp_path):
   results, stdout = run_quick("bench_clip.py", tmp_path)
   meta = results["meta"]
@@ -58,6 +59,7 @@ def test_bench_clip_quick(tmp_path):
       for i in ("ffi", "jax", "optax")}
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_step_quick(tmp_path):
   results, stdout = run_quick("bench_step.py", tmp_path, "--dtypes", "f32", "--optimizers",
                               "adamw,inject_adamw")
@@ -82,6 +84,7 @@ def test_bench_step_quick(tmp_path):
     assert row["vs_optax"] == pytest.approx(optax_row["us_injit"] / row["us_injit"])
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
   results, stdout = run_quick("bench_sharded.py", tmp_path, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
@@ -122,6 +125,15 @@ def test_bench_compile_quick(tmp_path):
   assert [(r["leaves"], r["impl"], r["status"]) for r in results["rows"]] == [
       (50, "ffi", "ok"), (50, "jax", "ok"), (50, "optax", "ok"), (50, "floor", "ok")]
   assert all(r["compile_s"] > 0 and r["peak_rss_gb"] > 0 for r in results["rows"])
+  assert "GOALS" in stdout
+  rows = {r["impl"]: r for r in results["rows"]}
+  goals = {g["what"]: g for g in results["goals"]}
+  assert set(goals) == {"custom call / floor, time", "custom call / floor, memory",
+                        "pure JAX / optax, time"}
+  assert goals["custom call / floor, memory"]["ratio"] == pytest.approx(
+      rows["ffi"]["peak_rss_gb"] / rows["floor"]["peak_rss_gb"])
+  assert goals["pure JAX / optax, time"]["met"] == (
+      rows["jax"]["compile_s"] <= rows["optax"]["compile_s"])
 
 
 def test_bench_compile_without_result_names(tmp_path, monkeypatch):
@@ -214,10 +226,9 @@ def test_sanitize_kernels_passes_every_case_on_the_cpu_handler():
   # The script the GPU sanitizers run: on a CPU it drives the custom calls' CPU handlers
   # through the same cases, each against float64 NumPy.
   names = [name for name, _ in sanitize_kernels().all_cases()]
-  run = subprocess.run([sys.executable, "scripts/sanitize_kernels.py"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  run = run_watched([sys.executable, "scripts/sanitize_kernels.py"], cwd=ROOT,
+                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stdout[-8000:]
   assert [line[4:].strip() for line in run.stdout.splitlines()
           if line.startswith("ok  ")] == names
   assert "all cases pass" in run.stdout
@@ -226,7 +237,7 @@ def test_sanitize_kernels_passes_every_case_on_the_cpu_handler():
 def test_sanitizer_groups_hold_every_case_once():
   module = sanitize_kernels()
   listed = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "--groups"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, check=True)
   groups = listed.stdout.split("\n")[:-1]
   assert groups == list(module.GROUPS)
   in_groups = [name for group in groups for name in group.split(",")]

@@ -7,7 +7,8 @@ its sharding. Checked on both implementations, on Auto and Explicit mesh axes, a
 float64 and against the same step on one device.
 
 Like tests/test_sharded.py, these run where jax sees an even number >= 2 of devices,
-and otherwise in subprocesses on 8 and 2 CPU devices (`test_on_cpu_devices`).
+and otherwise in a subprocess on 4 CPU devices (8 and 2 too in the slow set;
+`test_on_cpu_devices`).
 """
 
 import jax
@@ -21,7 +22,10 @@ import clipjax
 from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 
 
-@pytest.mark.parametrize("count", [8, 2])
+# Four devices (a 2 x 2 mesh: both axes split) by default; 8 and 2 (a size-1 data axis) too
+# in the slow set.
+@pytest.mark.parametrize("count", [4, pytest.param(8, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)])
 def test_on_cpu_devices(count):
   run_file_on_cpu_devices(__file__, count)
 

@@ -53,7 +53,6 @@ def worker(process_id: int, port: int, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   jax.distributed.initialize(f"localhost:{port}", PROCESSES, process_id,
                              heartbeat_timeout_seconds=30)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
 

@@ -5,8 +5,8 @@ and a 2-D mesh ("data", "model") of (n // 2, 2), with leaf shapes made from n. W
 jax.device_count() is such an n (several GPUs, say), `pytest tests/test_sharded.py`
 runs them there. Otherwise (one device) they are skipped here: XLA fixes the CPU
 device count when its backend starts, so `test_on_cpu_devices` runs this file again
-in two subprocesses, with --xla_force_host_platform_device_count=8 and =2, where they
-run. To run them directly on N (even) CPU devices:
+in a subprocess with --xla_force_host_platform_device_count=4 (and, in the slow set,
+=8 and =2), where they run. To run them directly on N (even) CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=N pytest tests/test_sharded.py
 
@@ -24,7 +24,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import clipjax
 from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 
-@pytest.mark.parametrize("count", [8, 2])
+# Four devices (a 2 x 2 mesh: both axes split) by default; 8 and 2 (a size-1 data axis) too
+# in the slow set.
+@pytest.mark.parametrize("count", [4, pytest.param(8, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)])
 def test_on_cpu_devices(count):
   run_file_on_cpu_devices(__file__, count)
 

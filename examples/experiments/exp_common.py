@@ -84,6 +84,9 @@ def run_training(cfg: config.TrainConfig, env: dict) -> list[dict]:
   run_dir = config.resolve(cfg).out_dir
   if cfg.resume and run_state(run_dir) in ("finished", "diverged"):
     return metrics.read_records(os.path.join(run_dir, "metrics.jsonl"))
+  if cfg.resume and not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    # Killed before its only checkpoint (at the end): nothing to continue, so it starts again.
+    cfg = dataclasses.replace(cfg, resume=False, overwrite=True)
   cfg = dataclasses.replace(cfg, checkpoint_every=cfg.steps or 10**9)
   try:
     records = loop.train(cfg)

@@ -1,24 +1,51 @@
 """What the example's tests share: the example's modules (and its experiments') on the
-path, one tokenizer cache for the session, the tiny settings most tests start from, and
-runs of a test file on N forced CPU devices."""
+path, one tokenizer cache and one compilation cache for the session, the tiny settings
+most tests start from, and runs of a test file on N forced CPU devices."""
 
 import os
 import pathlib
-import subprocess
 import sys
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "experiments")]
+sys.path.append(str(EXAMPLES.parent / "tests"))  # the library tests' helpers
 
 import config  # noqa: E402
+from watched import run_watched  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
   """One tokenizer cache for every test: each corpus trains its tokenizer once."""
   return str(tmp_path_factory.mktemp("tokenizer-cache"))
+
+
+# JAX's persistent compilation cache, for this session's tests and their subprocesses: the
+# tests train the same tiny step many times, and each fresh jit of it would compile anew.
+_COMPILE_CACHE = {"jax_compilation_cache_dir": None,
+                  "jax_persistent_cache_min_compile_time_secs": 0.0,
+                  "jax_persistent_cache_min_entry_size_bytes": 0}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+  settings = {**_COMPILE_CACHE,
+              "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("compile-cache"))}
+  before = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()  # JAX reads the settings once, at its first compile
+  os.environ.update({name.upper(): str(value) for name, value in settings.items()})
+  yield settings["jax_compilation_cache_dir"]
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  for name in settings:
+    os.environ.pop(name.upper(), None)
 
 
 @pytest.fixture(scope="session")
@@ -49,10 +76,11 @@ def run_file_on_cpu_devices(test_file, count: int, env: dict | None = None) -> N
   flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
   env = dict(os.environ, **(env or {}), XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
              **{DEVICES_ENV: str(count)})
-  run = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
-      env=env, capture_output=True, text=True, timeout=900)
-  assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-4000:]
+  run = run_watched(
+      [sys.executable, "-m", "pytest", "-v", "-m", "not fuzz", "-p", "no:cacheprovider",
+       str(test_file)],
+      env=env)
+  assert run.returncode == 0, run.stdout[-12000:]
   assert " passed" in run.stdout, f"no test ran on {count} devices:\n{run.stdout[-4000:]}"
 
 

@@ -1,8 +1,6 @@
 """The example's phases, EXP3 weights and batch sampling (examples/bandit.py, pipeline.py)."""
 
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest

@@ -3,9 +3,13 @@ small temporary files."""
 
 import bz2
 import gzip
+import hashlib
+import io
 import json
 import lzma
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +21,7 @@ import tokenizer as tokenizer_lib
 SMALL_CORPUS = {
     "repo-docs": ["# clipjax\n\n- global norm\n- per tensor norm\n- three kernels\n"] * 20,
     "gutenberg": ["It was the best of times, it was the worst of times. " * 10] * 5,
-    "hermes3-general": [default_corpus.format_qa("What is 2 + 2?", "It is 4.")] * 20,
+    "hermes3-general": [corpus.format_qa("What is 2 + 2?", "It is 4.")] * 20,
 }
 
 
@@ -119,16 +123,60 @@ def test_a_file_that_does_not_decompress_is_skipped_and_named(tmp_path, capsys):
       "as .gz")
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"PNG\x00\x01\x02 header and pixels", "binary (it holds NUL bytes)"),
-    (bytes(range(128, 256)) + b"some ASCII too", "binary (90% of its bytes are not UTF-8)"),
+def _png() -> bytes:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig = plt.figure(figsize=(1, 1))
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png")
+  plt.close(fig)
+  return buffer.getvalue()
+
+
+def _shared_library() -> bytes:
+  import clipjax._clipjax_cpu  # noqa: PLC0415
+  with open(clipjax._clipjax_cpu.__file__, "rb") as f:
+    return f.read()
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("png", r"binary \(\d+\.\d% of its bytes are control bytes, \d+ of them NUL\)"),
+    ("shared library", r"binary \(\d+\.\d% of its bytes are control bytes, \d+ of them NUL\)"),
+    ("latin-1 bytes", r"binary \(90% of its bytes are not UTF-8\)"),
 ])
-def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, data, why):
+def test_a_binary_file_is_skipped_with_one_warning_naming_it(tmp_path, capsys, kind, why):
+  data = {"png": _png, "shared library": _shared_library,
+          "latin-1 bytes": lambda: bytes(range(128, 256)) + b"some ASCII too"}[kind]()
   (tmp_path / "a.bin").write_bytes(data)
   (tmp_path / "b.txt").write_text("Plain prose.")
   assert list(corpus.read_source_files("gutenberg", str(tmp_path))) == ["Plain prose."]
-  assert capsys.readouterr().out == (
-      f"warning: source 'gutenberg': skipping {tmp_path / 'a.bin'}: {why}\n")
+  out = capsys.readouterr().out
+  skipped = re.escape(str(tmp_path / "a.bin"))
+  assert re.fullmatch(f"warning: source 'gutenberg': skipping {skipped}: {why}\n", out), out
+
+
+def test_text_with_a_few_nul_and_control_bytes_is_read(tmp_path):
+  # As a GNU info manual: a \x1f before every node, and two stray NULs in the text.
+  nodes = [f"\x1f\nFile: coreutils.info,  Node: node{i}\n\n" + "Some prose. " * 60
+           for i in range(20)]
+  text = "".join(nodes).replace("prose.", "pro\0se.", 2)
+  (tmp_path / "coreutils.info.gz").write_bytes(gzip.compress(text.encode()))
+  assert list(corpus.read_source_files("repo-docs", str(tmp_path))) == [text]
+
+
+@pytest.mark.parametrize("line, shown", [
+    ('{"text": null}', "null"), ('{"text": 42}', "42"),
+    ('{"text": {"nested": "dict"}}', '{"nested": "dict"}'),
+    ('{"question": "q", "answer": ["a", "list"]}', '["a", "list"]'),
+])
+def test_a_jsonl_field_that_is_not_a_string_is_named(tmp_path, line, shown):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"text": "ok"}\n' + line + "\n")
+  field = "answer" if "answer" in line else "text"
+  with pytest.raises(corpus.SourceError, match=re.escape(
+      f"source 'hermes3-general': {path}:2: the '{field}' field is {shown}, not a string")):
+    list(corpus.read_source_files("hermes3-general", str(path)))
 
 
 def test_a_few_invalid_bytes_do_not_make_a_file_binary(tmp_path):
@@ -142,7 +190,7 @@ def test_a_source_of_only_binary_files_is_an_error_naming_them(tmp_path, capsys)
   for name in ("a.bin", "b.bin"):
     (tmp_path / name).write_bytes(b"\x00\x01\x02")
   with pytest.raises(corpus.SourceError, match=r"source 'repo-docs': no usable text in .*; "
-                     r"skipped .*a.bin \(binary \(it holds NUL bytes\)\), .*b.bin"):
+                     r"skipped .*a.bin \(binary \(.* of them NUL\)\), .*b.bin"):
     corpus.load_corpus({"repo-docs": str(tmp_path)}, 1 << 20)
   assert capsys.readouterr().out.count("warning: source 'repo-docs': skipping") == 2
 
@@ -204,16 +252,67 @@ def test_prompts_take_turns_over_the_sources_from_their_held_out_text():
 
 # --- The default corpus -------------------------------------------------------------
 
+# v1's files and the text they decode to, held here: the same on every machine and Python.
+DEFAULT_FILES_SHA256 = {
+    "repo-docs": "4e13b517a8a1cf87b292fb79037c93e87286aa089cb1e8dff573e27082dc587e",
+    "gutenberg": "629fafa606c55bfd7fd5ad4dfa5fe78fa3b1a8aa21d4a5239341657ea5364544",
+    "hermes3-general": "02ac62a537ae5a2ce127ab15c8d5c82562421198daebd7c9c9cc52d23454dde4",
+}
+DEFAULT_TEXT_SHA256 = "94d84a9a3b25b2a26e9df28bec9ec5f2ca714be0e2bd4093ec116a6aeeb71b4c"
+DEFAULT_DOCUMENTS = {"repo-docs": 60, "gutenberg": 98, "hermes3-general": 3548}
+LICENCES = ("Apache-2.0", "MIT", "BSD", "PSF-2.0")
 
-def test_default_corpus_has_three_forms_and_is_deterministic():
-  texts = corpus.load_corpus({}, 200_000)
-  assert texts == corpus.load_corpus({}, 200_000)
-  assert set(texts) == set(corpus.SOURCE_NAMES)
-  for docs in texts.values():
-    assert sum(len(d) for d in docs) > 50_000
+
+def test_the_default_corpus_is_v1_byte_for_byte():
+  assert default_corpus.VERSION == "v1"
+  for name, want in DEFAULT_FILES_SHA256.items():
+    with open(default_corpus.source_path(name), "rb") as f:
+      assert hashlib.sha256(f.read()).hexdigest() == want, name
+  texts = corpus.load_corpus({}, 1 << 30)
+  assert {name: len(docs) for name, docs in texts.items()} == DEFAULT_DOCUMENTS
+  digest = hashlib.sha256(json.dumps(texts, sort_keys=True).encode()).hexdigest()
+  assert digest == DEFAULT_TEXT_SHA256
+
+
+def test_the_default_corpus_has_three_forms_and_names_each_origin():
+  texts = corpus.load_corpus({}, 1 << 30)
+  for name, docs in texts.items():
+    assert 400_000 < sum(len(d.encode()) for d in docs) < 560_000, name
   qa = texts["hermes3-general"]
-  assert all(d.startswith("Question: What ") and "\nAnswer: " in d for d in qa)
-  assert any(d.startswith("Question: What does `abc.abstractmethod` do?") for d in qa)
+  assert all(re.fullmatch(r"Question: What (does `[\w.]+` do|is `[\w.]+`)\?\nAnswer: .{40,}", d,
+                          re.S) for d in qa)
+  assert qa[0] == ("Question: What does `abc.abstractmethod` do?\n"
+                   "Answer: A decorator indicating abstract methods.")
+  assert sum(d.count("\n- ") + d.count("\n* ") for d in texts["repo-docs"]) > 500  # lists
+  assert min(len(d) for d in texts["gutenberg"]) >= 200  # whole documents of prose
+  for name in corpus.SOURCE_NAMES:
+    with lzma.open(default_corpus.source_path(name), "rt", encoding="utf-8") as f:
+      origins = [json.loads(line)["origin"] for line in f]
+    assert all(origin.endswith(LICENCES) for origin in origins), name
+  assert not any("clipjax" in o for o in origins)
+
+
+def test_a_changed_default_corpus_file_is_refused_by_name(tmp_path, monkeypatch):
+  for name in corpus.SOURCE_NAMES:
+    shutil.copy(default_corpus.source_path(name), tmp_path)
+  changed = tmp_path / "gutenberg.jsonl.xz"
+  changed.write_bytes(changed.read_bytes() + b"\0")
+  monkeypatch.setattr(default_corpus, "DIRECTORY", str(tmp_path))
+  with pytest.raises(corpus.SourceError, match=f"source 'gutenberg': the default corpus file "
+                     f"{changed} has SHA-256 [0-9a-f]{{64}}, not v1's 629faf"):
+    corpus.load_corpus({}, 1 << 20)
+  changed.unlink()
+  with pytest.raises(corpus.SourceError, match=f"{changed} cannot be read"):
+    corpus.load_corpus({}, 1 << 20)
+
+
+def test_the_byte_cap_takes_the_first_documents_of_the_default_corpus():
+  whole = corpus.load_corpus({}, 1 << 30)
+  capped = corpus.load_corpus({}, 50_000)
+  for name, docs in capped.items():
+    assert sum(len(d.encode()) for d in docs) <= 50_000
+    assert docs[:-1] == whole[name][:len(docs) - 1]
+    assert whole[name][len(docs) - 1].startswith(docs[-1])  # the last one cut, not changed
 
 
 # --- Tokenizer ----------------------------------------------------------------------

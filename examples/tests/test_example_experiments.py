@@ -85,6 +85,7 @@ def test_the_size_claim_is_judged_from_the_repetition_metrics(big, small, verdic
 # --- Tiny runs of the scripts -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fallback_vs_ffi_on_the_cpu(tmp_path, cache_dir):
   out = tmp_path / "fallback"
   results = exp_fallback_vs_cuda.main(
@@ -129,6 +130,7 @@ def test_a_repeated_impl_is_a_control_run(tmp_path, cache_dir):
     exp_fallback_vs_cuda.main(argv)
 
 
+@pytest.mark.slow
 def test_v1_vs_v2_with_per_tensor(tmp_path, cache_dir):
   out = tmp_path / "v1v2"
   args = ["--configs", "tiny", "--per-tensor-configs", "tiny", "--steps", "12",
@@ -258,6 +260,7 @@ def test_the_stable_range_is_the_largest_stable_rate_and_the_failure_above_it():
   assert "the edge lies above 0.01" in exp_lr_sweep.range_sentence("v1", r)
 
 
+@pytest.mark.slow
 def test_lr_sweep_on_the_cpu(tmp_path, cache_dir):
   out = tmp_path / "sweep"
   args = ["--configs", "tiny", "--variants", "v1,v2", "--lrs", "1e-3,3e-3", "--steps", "6",

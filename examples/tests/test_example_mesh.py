@@ -34,9 +34,8 @@ from examples.tests.conftest import devices_here, run_file_on_cpu_devices
 STEPS, STOP = 50, 25
 # float32 sums in another order (batch rows and shards split differently). The runs use
 # peak lr 1e-3: at the tiny preset's 3e-3, batches of 8 rows bring loss spikes that blow
-# rounding differences up to 0.2% by step 30. At 1e-3 they stay below 2e-7 on some
-# corpora and reach 2e-5 on others (the default corpus holds the installed packages'
-# documentation, this README included, so it changes with them).
+# rounding differences up to 0.2% by step 30. At 1e-3 they stayed below 2e-7 on some
+# corpora and reached 2e-5 on others.
 RTOL = 1e-4
 SHARED_ENV = "CLIPJAX_EXAMPLE_MESH_DIR"  # the reference losses and the 8-device run
 STAGE_ENV = "CLIPJAX_EXAMPLE_MESH_STAGE"  # which one-device run: reference or resume
@@ -114,21 +113,26 @@ def shared(tmp_path_factory, cache_dir):
   return {SHARED_ENV: str(directory), "CLIPJAX_EXAMPLE_CACHE": cache_dir}
 
 
+# The runs on several devices: a sweep of device counts, in the slow set.
+@pytest.mark.slow
 @in_parent
 def test_reference_on_1_cpu_device(shared):
   run_file_on_cpu_devices(__file__, 1, {**shared, STAGE_ENV: "reference"})
 
 
+@pytest.mark.slow
 @in_parent
 def test_on_8_cpu_devices(shared):
   run_file_on_cpu_devices(__file__, 8, shared)
 
 
+@pytest.mark.slow
 @in_parent
 def test_on_2_cpu_devices(shared):
   run_file_on_cpu_devices(__file__, 2, shared)
 
 
+@pytest.mark.slow
 @in_parent
 def test_resume_on_1_cpu_device(shared):
   run_file_on_cpu_devices(__file__, 1, {**shared, STAGE_ENV: "resume"})
