@@ -24,10 +24,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import clipjax
 from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 
-# Four devices (a 2 x 2 mesh: both axes split) by default; 8 and 2 (a size-1 data axis) too
-# in the slow set.
-@pytest.mark.parametrize("count", [4, pytest.param(8, marks=pytest.mark.slow),
-                                   pytest.param(2, marks=pytest.mark.slow)])
+# On 4 devices (a 2 x 2 mesh: both axes split), 8 and 2 (a size-1 data axis): the slow set,
+# each count a subprocess of its own.
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [4, 8, 2])
 def test_on_cpu_devices(count):
   run_file_on_cpu_devices(__file__, count)
 
