@@ -20,6 +20,9 @@ import jax
 _loaded: dict[str, object] = {}  # "cpu"/"cuda" -> the loaded native module
 _load_errors: dict[str, str] = {}  # platform -> why its module did not load
 _NATIVE_MODULES = {"cpu": "_clipjax_cpu", "cuda": "_clipjax_cuda"}
+# Why a module can be missing from an install.
+_UNBUILT_BECAUSE = {"cpu": "imported from a source tree that pip never built",
+                    "cuda": "no CUDA compiler at build time, or CLIPJAX_CUDA=0"}
 
 
 def runtime_ffi_api() -> tuple[int, int] | None:
@@ -141,8 +144,7 @@ def handler_problem(platform: str) -> Problem | None:
   if platform not in _loaded:
     if not built(platform):
       return Problem(f"this install of clipjax was built without its {platform.upper()} "
-                     "module (no CUDA compiler at build time, or CLIPJAX_CUDA=0)",
-                     reinstall_command())
+                     f"module ({_UNBUILT_BECAUSE[platform]})", reinstall_command())
     why = _load_errors.get(platform, "it was not imported")
     return Problem(f"its {platform.upper()} module failed to load: {why}", reinstall_command())
   if platform == "cuda":

@@ -22,7 +22,8 @@ after the same step, the one JAX's preemption sync point names.
 
 A process that dies is found by JAX's coordination service, which stops hearing its
 heartbeats: every other process then ends within --heartbeat-timeout-s with JAX's error
-"The following tasks are unhealthy (stopped sending heartbeats): ID". A process that
+"The following tasks are unhealthy (stopped sending heartbeats): ID", or sooner with
+the collective library's error, where one meets the dead peer first. A process that
 fails with an error says so and exits at once (`exit_on_error`), so that the others
 learn of it the same way instead of waiting for it at JAX's shutdown barrier.
 """

@@ -2,7 +2,8 @@
 state (the clip's own included) is written over its own donated buffer, and (without a
 spike policy) nothing is copied. A state leaf that got a new buffer each step would change
 addresses inside XLA's command buffers (CUDA graphs), which XLA then re-records on the
-host at every step.
+host at every step. (Older XLAs copy an optimizer's bfloat16 state even in AdamW alone: the
+clip adds no copy to those.)
 """
 
 import re
@@ -27,6 +28,11 @@ CHAINS = {
 }
 
 
+def copies(hlo: str) -> list[str]:
+  """The copy ops of a compiled module (not a fusion's root)."""
+  return re.findall(r"^\s*%\S+ = \S+ copy\(", hlo, re.M)
+
+
 def compiled_step(tx, params):
   def step(params, opt_state, batch):
     grads = jax.tree.map(lambda p, x: p * x, params, batch)  # made in the step, as a backward pass
@@ -49,4 +55,4 @@ def test_every_state_leaf_is_written_in_place(impl, chain):
   assert len(aliased) == outputs, f"{len(aliased)} of {outputs} outputs write over their input"
   assert all(int(o) == int(i) for o, i in aliased), "an output was paired with another's buffer"
   if chain not in ("spike", "skip_spikes"):  # a spike policy copies two scalars (skip: the state)
-    assert not re.findall(r"^\s*%\S+ = \S+ copy\(", hlo, re.M)  # a copy op (not a fusion's root)
+    assert len(copies(hlo)) <= len(copies(compiled_step(optax.adamw(1e-3), params)[0])), hlo

@@ -144,9 +144,10 @@ def test_no_warning_without_a_cuda_gpu(monkeypatch):
   assert auto_clips_and_warnings() == []
 
 
-def test_python_m_clipjax_reports_versions_handlers_and_paths():
+def test_python_m_clipjax_reports_versions_handlers_and_paths(tmp_path):
+  # From elsewhere than the repository's root, whose clipjax/ would shadow the installed one.
   out = subprocess.run([sys.executable, "-m", "clipjax"], capture_output=True, text=True,
-                       check=True, timeout=300).stdout
+                       check=True, timeout=300, cwd=tmp_path).stdout
   assert out.startswith("clipjax ")
   for line in ("jax ", "jaxlib ", "backends:", "  cpu: ", "custom-call handlers:",
                "  cpu: usable", 'impl="auto" takes:', "  on cpu: pure JAX"):

@@ -9,6 +9,11 @@ import pytest
 import clipjax
 from conftest import f64_norm
 
+# jax.enable_x64 from jax 0.8; before it, jax.experimental's.
+enable_x64 = getattr(jax, "enable_x64", None)
+if enable_x64 is None:
+  from jax.experimental import enable_x64
+
 
 @pytest.mark.parametrize("x, max_norm", [(1e28, 1e-30), (3e38, 1e-20), (1e25, 1e-35)])
 def test_a_factor_far_below_float32s_range_is_applied_exactly(impl, x, max_norm):
@@ -45,7 +50,7 @@ F64_CASES = [
 
 @pytest.mark.parametrize("leaf, max_norm, on_nonfinite, want", F64_CASES)
 def test_float64_leaves_are_clipped_in_float64(leaf, max_norm, on_nonfinite, want):
-  with jax.enable_x64(True):
+  with enable_x64(True):
     x = np.asarray(leaf, np.float64)
     b = np.full(2, np.float32(1e-3))
     result = clipjax.clip_tree({"w": jnp.asarray(x), "b": jnp.asarray(b)}, max_norm,
@@ -60,7 +65,7 @@ def test_float64_leaves_are_clipped_in_float64(leaf, max_norm, on_nonfinite, wan
 
 
 def test_float64_state_keeps_its_dtype_through_an_optax_chain():
-  with jax.enable_x64(True):
+  with enable_x64(True):
     params = {"w": jnp.asarray([3.0, 4.0], jnp.float64)}
     tx = optax.chain(clipjax.andrea_clip(1.0, mode="per_tensor"), optax.sgd(1.0))
     state = tx.init(params)
