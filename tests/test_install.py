@@ -74,6 +74,16 @@ def test_auto_warns_once_when_the_cuda_module_was_not_built(cuda_machine):
   assert "pip install --force-reinstall --no-deps" in messages[0]
 
 
+@pytest.mark.parametrize("platform, because", [
+    ("cpu", "imported from a source tree"), ("cuda", "no CUDA compiler at build time")])
+def test_a_missing_module_is_named_with_its_own_reason(monkeypatch, platform, because):
+  monkeypatch.delitem(_native._loaded, platform, raising=False)
+  monkeypatch.setattr(_native, "built", lambda name: False)
+  problem = _native.handler_problem(platform)
+  assert f"built without its {platform.upper()} module ({because}" in problem.why
+  assert "pip install --force-reinstall --no-deps" in problem.fix
+
+
 def test_auto_warns_with_the_loaders_error(cuda_machine):
   cuda_machine.delitem(_native._loaded, "cuda", raising=False)
   cuda_machine.setattr(_native, "built", lambda platform: True)
