@@ -9,7 +9,7 @@ import pytest
 import clipjax
 from conftest import f64_norm
 
-# jax.enable_x64 from jax 0.8; before it, jax.experimental's.
+# jax.enable_x64 where this jax has it; jax 0.7.2 has only jax.experimental's.
 enable_x64 = getattr(jax, "enable_x64", None)
 if enable_x64 is None:
   from jax.experimental import enable_x64
