@@ -7,8 +7,8 @@ its sharding. Checked on both implementations, on Auto and Explicit mesh axes, a
 float64 and against the same step on one device.
 
 Like tests/test_sharded.py, these run where jax sees an even number >= 2 of devices,
-and otherwise in a subprocess on 4 CPU devices (8 and 2 too in the slow set;
-`test_on_cpu_devices`).
+and otherwise in subprocesses on 4, 8 and 2 CPU devices (`test_on_cpu_devices`, in the
+slow set).
 """
 
 import jax

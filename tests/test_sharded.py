@@ -4,9 +4,9 @@ The tests run on any even number n >= 2 of devices: a 1-D mesh ("data",) of all 
 and a 2-D mesh ("data", "model") of (n // 2, 2), with leaf shapes made from n. Where
 jax.device_count() is such an n (several GPUs, say), `pytest tests/test_sharded.py`
 runs them there. Otherwise (one device) they are skipped here: XLA fixes the CPU
-device count when its backend starts, so `test_on_cpu_devices` runs this file again
-in a subprocess with --xla_force_host_platform_device_count=4 (and, in the slow set,
-=8 and =2), where they run. To run them directly on N (even) CPU devices:
+device count when its backend starts, so `test_on_cpu_devices` (in the slow set) runs
+this file again in subprocesses with --xla_force_host_platform_device_count=4, =8 and
+=2, where they run. To run them directly on N (even) CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=N pytest tests/test_sharded.py
 
