@@ -5,14 +5,13 @@ import math
 import os
 import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from watched import run_watched
+from watched import run_pytest_on_cpu_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,11 +79,7 @@ def run_file_on_cpu_devices(test_file, count):
     pytest.skip(f"this is the {child}-device run")
   if _multi_device_here():
     pytest.skip(f"{jax.device_count()} devices already: the tests of this file run here")
-  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", **{_DEVICES_ENV: str(count)})
-  run = run_watched([sys.executable, "-m", "pytest", "-v", "-m", "not fuzz", "-p",
-                     "no:cacheprovider", test_file], env=env)
-  assert run.returncode == 0, run.stdout[-12000:]
+  run_pytest_on_cpu_devices(test_file, count, {_DEVICES_ENV: str(count)})
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """Subprocesses of the tests, ended when they stop making progress, not at a wall time:
 a loaded machine makes a run slow, not wrong, and a hung one still fails."""
 
+import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -42,3 +44,16 @@ def run_watched(cmd, *, quiet_limit_s: float = QUIET_LIMIT_S, **popen_kwargs
   reader.join()
   return subprocess.CompletedProcess(cmd, proc.returncode,
                                      b"".join(chunks).decode(errors="replace"), "")
+
+
+def run_pytest_on_cpu_devices(test_file, count: int, env: dict) -> subprocess.CompletedProcess:
+  """Runs `test_file` with pytest (-v, without the fuzz) in a watched subprocess on `count`
+  forced CPU devices (XLA fixes the CPU device count when its backend starts, so it
+  cannot change within a process); `env` is added to its environment. Fails with the
+  subprocess's output if it fails."""
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+  env = dict(os.environ, **env, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  run = run_watched([sys.executable, "-m", "pytest", "-v", "-m", "not fuzz", "-p",
+                     "no:cacheprovider", str(test_file)], env=env)
+  assert run.returncode == 0, run.stdout[-12000:]
+  return run

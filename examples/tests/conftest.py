@@ -15,7 +15,7 @@ sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "experiments")]
 sys.path.append(str(EXAMPLES.parent / "tests"))  # the library tests' helpers
 
 import config  # noqa: E402
-from watched import run_watched  # noqa: E402
+from watched import run_pytest_on_cpu_devices  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -73,14 +73,7 @@ def run_file_on_cpu_devices(test_file, count: int, env: dict | None = None) -> N
   CPU device count when its backend starts, so it cannot change within this process);
   `env` is added to its environment. Fails with the subprocess's output if it fails or
   runs no test."""
-  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-  env = dict(os.environ, **(env or {}), XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
-             **{DEVICES_ENV: str(count)})
-  run = run_watched(
-      [sys.executable, "-m", "pytest", "-v", "-m", "not fuzz", "-p", "no:cacheprovider",
-       str(test_file)],
-      env=env)
-  assert run.returncode == 0, run.stdout[-12000:]
+  run = run_pytest_on_cpu_devices(test_file, count, {**(env or {}), DEVICES_ENV: str(count)})
   assert " passed" in run.stdout, f"no test ran on {count} devices:\n{run.stdout[-4000:]}"
 
 
