@@ -75,9 +75,8 @@ def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int, mesh=None,
                                         shardings=param_shardings)
 
   def loss_fn(params, tokens_BxL1):
-    logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1])
-    loss_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV, tokens_BxL1[:, 1:])
+    model = nnx.merge(graphdef, params)
+    loss_BxL = model.token_losses(tokens_BxL1[:, :-1], tokens_BxL1[:, 1:])
     loss_B = loss_BxL.mean(axis=1)
     return loss_B.mean(), loss_B
 

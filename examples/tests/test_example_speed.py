@@ -56,6 +56,39 @@ def test_bfloat16_compute_follows_float32(plain):
   assert norm(grads) == pytest.approx(norm(plain[1]), rel=2e-2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab_size", [300, 256])
+def test_token_losses_are_the_cross_entropy_of_the_logits(dtype, vocab_size):
+  """Training's losses (the LM head padded to VOCAB_ALIGN columns, the padding masked)
+  are those of the model's logits: 300 is padded to 384, 256 is not padded at all. In
+  bfloat16 the padded matmul may round its logits differently (a bfloat16 ulp is 2**-8)."""
+  model_cfg = dataclasses.replace(SMALL, dtype=dtype, vocab_size=vocab_size)
+  graphdef, params = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(0)))
+  tokens = np.random.default_rng(1).integers(0, vocab_size, (4, 17), dtype=np.int32)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  def from_logits(params):
+    logits = nnx.merge(graphdef, params)(inputs)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+  def padded(params):
+    return nnx.merge(graphdef, params).token_losses(inputs, targets)
+
+  want, got = jax.jit(from_logits)(params), jax.jit(padded)(params)
+  assert got.shape == (4, 16) and got.dtype == jnp.float32
+  tol = {"float32": 1e-6, "bfloat16": 2**-8}[dtype]
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+  mean = lambda f: jax.jit(jax.grad(lambda p: f(p).mean()))(params)
+  want_grads, got_grads = mean(from_logits), mean(padded)
+  assert got_grads["lm_head"]["kernel"].shape == (64, vocab_size)
+  # The largest entry of any gradient sets the tolerance: some are zero up to rounding
+  # (the key bias's, as the softmax ignores it).
+  scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(want_grads))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_grads),
+                          jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=10 * tol * scale, err_msg=str(path))
+
+
 def _matmul_dtypes(jaxpr) -> set:
   """The operand dtypes of every dot_general in `jaxpr`, nested calls included."""
   found = set()
