@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +45,19 @@ def _losses(records):
   return [(r["step"], r["loss"]) for r in steps_of(records)]
 
 
-def _stopped(cfg_in, tmp_path):
-  cfg = cfg_in(tmp_path)
-  loop.train(dataclasses.replace(cfg, stop_after_step=STOP))
-  return dataclasses.replace(cfg, resume=True)
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, cfg_in):
+  """A run stopped after step STOP, trained once; each test damages its own copy."""
+  out_dir = tmp_path_factory.mktemp("stopped")
+  loop.train(dataclasses.replace(cfg_in(out_dir), stop_after_step=STOP))
+  return out_dir
+
+
+@pytest.fixture
+def resume(tmp_path, cfg_in, stopped_run):
+  """The stopped run copied into tmp_path, and the config that resumes it there."""
+  shutil.copytree(stopped_run, tmp_path, dirs_exist_ok=True)
+  return dataclasses.replace(cfg_in(tmp_path), resume=True)
 
 
 def _largest_file(step_dir):
@@ -56,8 +66,7 @@ def _largest_file(step_dir):
   return max(files, key=lambda p: p.stat().st_size)
 
 
-def test_checkpoints_keep_the_last_two_with_checksums(tmp_path, cfg_in):
-  _stopped(cfg_in, tmp_path)
+def test_checkpoints_keep_the_last_two_with_checksums(tmp_path, resume):
   ckpts = checkpoint.RunCheckpoints(str(tmp_path / "checkpoints"), fresh=False)
   assert ckpts.steps() == [4, 6]
   for step in (4, 6):
@@ -67,8 +76,7 @@ def test_checkpoints_keep_the_last_two_with_checksums(tmp_path, cfg_in):
 
 
 def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_the_old_file(
-    tmp_path, cfg_in, whole, monkeypatch):
-  resume = _stopped(cfg_in, tmp_path)
+    tmp_path, resume, whole, monkeypatch):
   path = tmp_path / "metrics.jsonl"
   before = path.read_bytes()
 
@@ -83,16 +91,14 @@ def test_a_kill_while_a_resume_rewrites_the_metrics_leaves_the_old_file(
   assert _losses(loop.train(resume)) == whole
 
 
-def test_a_line_cut_by_a_kill_mid_append_is_dropped(tmp_path, cfg_in, whole):
-  resume = _stopped(cfg_in, tmp_path)
+def test_a_line_cut_by_a_kill_mid_append_is_dropped(tmp_path, resume, whole):
   with open(tmp_path / "metrics.jsonl", "a") as f:  # a step past the checkpoint, then a cut
     f.write(json.dumps({"kind": "step", "step": STOP + 1, "loss": 0.0}) + "\n")
     f.write('{"kind": "step", "st')
   assert _losses(loop.train(resume)) == whole
 
 
-def test_lost_history_is_reported_not_hidden(tmp_path, cfg_in, capsys):
-  resume = _stopped(cfg_in, tmp_path)
+def test_lost_history_is_reported_not_hidden(tmp_path, resume, capsys):
   (tmp_path / "metrics.jsonl").unlink()
   records = loop.train(resume)
   assert f"lacks the records of {STOP} of the {STOP} steps" in capsys.readouterr().out
@@ -134,8 +140,7 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(
-    tmp_path, cfg_in, whole, capsys, corruption):
-  resume = _stopped(cfg_in, tmp_path)
+    tmp_path, resume, whole, capsys, corruption):
   latest = tmp_path / "checkpoints" / str(STOP)
   CORRUPTIONS[corruption](latest)
   records = loop.train(resume)
@@ -145,8 +150,7 @@ def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(
   assert _losses(records) == whole  # resumed from step 4, the same losses
 
 
-def test_no_usable_checkpoint_is_one_clear_error(tmp_path, cfg_in, capsys):
-  resume = _stopped(cfg_in, tmp_path)
+def test_no_usable_checkpoint_is_one_clear_error(tmp_path, resume, capsys):
   for step in (4, STOP):
     _flip_bytes(_largest_file(tmp_path / "checkpoints" / str(step)))
   argv = ["--config", "tiny", "--steps", str(STEPS), "--batch-size", "8",
