@@ -52,7 +52,7 @@ assert REMAT_CHOICES == ("none", *REMAT_POLICIES)  # the flag's choices (config.
 
 # The LM head's matmul in training runs on the vocabulary rounded up to a multiple of this.
 # cuBLAS's tiles want aligned sizes: 50,257 columns padded to 50,304 made andrea-120m's
-# bfloat16 step 6% faster on an H200 (docs/experiments.md, section 8).
+# bfloat16 step 6% faster on an H200 (docs/speed.md).
 VOCAB_ALIGN = 128
 
 # Architectures only; context length, vocab, dtype, attention and remat are set by the
