@@ -20,6 +20,11 @@ SMALL = model_lib.ModelConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=
                               context_length=16)
 
 
+def _cross_entropy(logits, targets):
+  """Each target's loss under `logits` (the model's `__call__`), as written out here."""
+  return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+
 def _loss_and_grads(model_cfg):
   """The next-token loss of a small GPT on a fixed batch, and its gradients."""
   graphdef, params = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(0)))
@@ -27,7 +32,7 @@ def _loss_and_grads(model_cfg):
 
   def loss_fn(params):
     logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-    return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+    return _cross_entropy(logits, tokens[:, 1:]).mean()
 
   return jax.jit(jax.value_and_grad(loss_fn))(params)
 
@@ -69,8 +74,7 @@ def test_token_losses_are_the_cross_entropy_of_the_logits(dtype):
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
   def from_logits(params):
-    logits = nnx.merge(graphdef, params)(inputs)
-    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    return _cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
 
   def padded(params):
     return nnx.merge(graphdef, params).token_losses(inputs, targets)
