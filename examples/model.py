@@ -12,16 +12,17 @@ GPUs, bfloat16 or float16). `remat` recomputes each block's activations in the b
 pass instead of keeping them: "block" all of them, "dots" all but the matmuls' outputs.
 
 Training takes its losses from `GPT.token_losses`, whose LM head runs on the vocabulary
-padded to a multiple of VOCAB_ALIGN (zero columns, masked out of the softmax): the same
-losses as the cross-entropy of `GPT.__call__`'s logits, and on a GPU a faster step.
+padded to a multiple of VOCAB_ALIGN (zero columns, masked out of the softmax), and whose
+cross-entropy (`padded_cross_entropy`) reads the logits once each way: the same losses
+as the cross-entropy of `GPT.__call__`'s logits, and on a GPU a faster step.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from config import ANDREA_VOCAB_SIZE, REMAT_CHOICES
@@ -51,7 +52,7 @@ REMAT_POLICIES = {"block": None,
 assert REMAT_CHOICES == ("none", *REMAT_POLICIES)  # the flag's choices (config.py)
 
 # The LM head's matmul in training runs on the vocabulary rounded up to a multiple of this.
-# cuBLAS's tiles want aligned sizes: 50,257 columns padded to 50,304 made andrea-120m's
+# cuBLAS's tiles want aligned sizes: 8,449 columns padded to 8,576 made andrea-120m's
 # bfloat16 step 6% faster on an H200 (docs/speed.md).
 VOCAB_ALIGN = 128
 
@@ -161,12 +162,76 @@ class GPT(nnx.Module):
     x_BxLxD = self.hidden(tokens_BxL)
     kernel_DxV = self.lm_head.kernel[...].astype(x_BxLxD.dtype)
     V = kernel_DxV.shape[1]
-    pad = -V % VOCAB_ALIGN
     logits_BxLxP = jnp.einsum("bld,dp->blp", x_BxLxD,
-                              jnp.pad(kernel_DxV, ((0, 0), (0, pad)))).astype(jnp.float32)
-    if pad:
-      logits_BxLxP = jnp.where(jnp.arange(V + pad) < V, logits_BxLxP, -jnp.inf)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxP, targets_BxL)
+                              jnp.pad(kernel_DxV, ((0, 0), (0, -V % VOCAB_ALIGN))))
+    return padded_cross_entropy(logits_BxLxP, targets_BxL, V)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def padded_cross_entropy(logits_BxLxP, targets_BxL, vocab_size):
+  """The cross-entropy of each target given logits whose columns from `vocab_size` on are
+  padding: loss_BxL (float32), the padding outside the softmax. The logits stay in their
+  dtype: on a GPU the forward pass reads them once (a one-pass log-sum-exp), and the
+  backward pass reads them once more and writes their gradient in the same dtype.
+  (Under autodiff, optax's cross-entropy builds the gradient as a float32 array,
+  scatters the targets' -1 into it, then converts it: three passes over twice the
+  bytes.)"""
+  return _cross_entropy_forward(logits_BxLxP, targets_BxL, vocab_size)[0]
+
+
+def _masked_float32(logits_BxLxP, vocab_size):
+  logits_BxLxP = logits_BxLxP.astype(jnp.float32)
+  if logits_BxLxP.shape[-1] == vocab_size:
+    return logits_BxLxP
+  return jnp.where(jnp.arange(logits_BxLxP.shape[-1]) < vocab_size, logits_BxLxP, -jnp.inf)
+
+
+def _logsumexp(x_BxLxP):
+  """log(sum(exp(x))) over the last axis: in one pass over x on an NVIDIA GPU, in two
+  elsewhere (XLA's CPU backend runs the one-pass reduction's pairs element by element:
+  the CPU step was 20% slower with it)."""
+  return jax.lax.platform_dependent(x_BxLxP, cuda=_logsumexp_one_pass,
+                                    default=_logsumexp_two_pass)
+
+
+def _logsumexp_two_pass(x_BxLxP):
+  top = jnp.max(x_BxLxP, axis=-1)
+  return top + jnp.log(jnp.sum(jnp.exp(x_BxLxP - top[..., None]), axis=-1))
+
+
+def _logsumexp_one_pass(x_BxLxP):
+  """One reduction: each partial result is a (max, sum of exp(x - max)) pair, and two
+  pairs combine by rescaling to the larger max."""
+
+  def combine(a, b):
+    (max_a, sum_a), (max_b, sum_b) = a, b
+    top = jnp.maximum(max_a, max_b)
+    # A -inf max (only padding so far) adds nothing; -inf - -inf would be NaN.
+    part = lambda m, s: jnp.where(m == -jnp.inf, 0.0, s * jnp.exp(m - top))
+    return top, part(max_a, sum_a) + part(max_b, sum_b)
+
+  top, total = jax.lax.reduce((x_BxLxP, jnp.ones_like(x_BxLxP)),
+                              (jnp.float32(-jnp.inf), jnp.float32(0)), combine,
+                              (x_BxLxP.ndim - 1,))
+  return top + jnp.log(total)
+
+
+def _cross_entropy_forward(logits_BxLxP, targets_BxL, vocab_size):
+  x_BxLxP = _masked_float32(logits_BxLxP, vocab_size)
+  lse_BxL = _logsumexp(x_BxLxP)
+  target_BxL = jnp.take_along_axis(x_BxLxP, targets_BxL[..., None], axis=-1)[..., 0]
+  return lse_BxL - target_BxL, (logits_BxLxP, targets_BxL, lse_BxL)
+
+
+def _cross_entropy_backward(vocab_size, saved, g_BxL):
+  logits_BxLxP, targets_BxL, lse_BxL = saved
+  x_BxLxP = _masked_float32(logits_BxLxP, vocab_size)
+  is_target = jnp.arange(x_BxLxP.shape[-1]) == targets_BxL[..., None]
+  grad_BxLxP = (jnp.exp(x_BxLxP - lse_BxL[..., None]) - is_target) * g_BxL[..., None]
+  return grad_BxLxP.astype(logits_BxLxP.dtype), None
+
+
+padded_cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)
 
 
 def count_params(params) -> int:

@@ -95,6 +95,40 @@ def test_token_losses_are_the_cross_entropy_of_the_logits(dtype):
     np.testing.assert_allclose(a, b, rtol=0, atol=10 * tol * scale, err_msg=str(path))
 
 
+@pytest.mark.parametrize("logsumexp", ["_logsumexp_one_pass", "_logsumexp_two_pass"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab_size", [300, 384])
+def test_padded_cross_entropy_is_the_cross_entropy_of_the_vocabulary(
+    monkeypatch, logsumexp, dtype, vocab_size):
+  """Losses and logit gradients of `padded_cross_entropy` against the written-out
+  cross-entropy of the first `vocab_size` columns, on logits up to +-3e4 (exp of such
+  logits overflows unless the sum is taken relative to the max), with the log-sum-exp of
+  a GPU (one pass) and of other devices (two). Padding columns get zero gradient. A NaN
+  logit gives a NaN loss, which the step's spike handling sees."""
+  monkeypatch.setattr(model_lib, "_logsumexp", getattr(model_lib, logsumexp))
+  rng = np.random.default_rng(2)
+  logits = rng.standard_normal((3, 5, 384)) * np.array([1.0, 30.0, 3e4])[:, None, None]
+  logits = jnp.asarray(logits, dtype)
+  targets = rng.integers(0, vocab_size, (3, 5), dtype=np.int32)
+  g = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+  got, got_vjp = jax.vjp(lambda x: model_lib.padded_cross_entropy(x, targets, vocab_size),
+                         logits)
+  want, want_vjp = jax.vjp(
+      lambda x: _cross_entropy(x[..., :vocab_size].astype(jnp.float32), targets), logits)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+  (got_grad,), (want_grad,) = got_vjp(g), want_vjp(g)
+  assert got_grad.dtype == logits.dtype
+  # Both round a float32 gradient to the logits' dtype, so they may differ by an ulp.
+  rtol = {"float32": 1e-5, "bfloat16": 2**-7}[dtype]
+  np.testing.assert_allclose(np.asarray(got_grad, np.float32),
+                             np.asarray(want_grad, np.float32), rtol=rtol, atol=1e-6)
+  assert not np.any(np.asarray(got_grad[..., vocab_size:], np.float32))
+  nan_logits = logits.at[1, 2, 7].set(jnp.nan)
+  nan_loss = model_lib.padded_cross_entropy(nan_logits, targets, vocab_size)
+  assert np.isnan(nan_loss[1, 2]) and np.isfinite(np.delete(nan_loss.ravel(), 7)).all()
+
+
 def _matmul_dtypes(jaxpr) -> set:
   """The operand dtypes of every dot_general in `jaxpr`, nested calls included."""
   found = set()
