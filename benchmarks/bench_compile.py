@@ -6,7 +6,11 @@ compiles `jax.jit(tx.update, donate_argnums=0)` for andrea_clip (the custom call
 JAX) and for optax.clip_by_global_norm, the gradients donated as a training step's are
 its own intermediates; and, as the floor that any clip of N leaves stands on, a jitted
 function that takes the same leaves (donated) and hands them back unchanged. A case that
-runs past --timeout-s is reported as such. It prints the cases, then the goals:
+runs past --timeout-s is reported as such. With --rounds R every case runs R times, the
+cases taking turns (each round in the reverse order of the one before), so that a machine
+whose speed drifts slows each case alike; a ratio below is then the median of the rounds'
+ratios, each between two runs of one round, with its range. It prints the cases, then the
+goals:
 
   custom call  at most 1.6x the floor's compile time and 1.25x its peak memory (the most
                leaves run)
@@ -22,6 +26,7 @@ with n outputs holds O(n^2) attributes: about 3 GB at 20,000 leaves, before any 
 The flag shows what compiling costs without that, for the clip and for the floor alike.
 
     python benchmarks/bench_compile.py                    # 2,000 and 20,000 leaves
+    python benchmarks/bench_compile.py --leaves 20000 --impls floor,ffi --rounds 3
     python benchmarks/bench_compile.py --quick     # 50 leaves: a few seconds on a CPU
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -104,21 +110,27 @@ def run_case(leaves: int, impl: str, timeout_s: float, result_names: bool) -> di
 
 def goals(rows) -> list[dict]:
   """The custom call against the floor at the most leaves both ran; pure JAX against
-  optax wherever both ran."""
-  ok = {(r["leaves"], r["impl"]): r for r in rows if r["status"] == "ok"}
+  optax wherever both ran. Each ratio is the median over the rounds in which both ran
+  (`ratios` has every round's)."""
+  ok = {(r["leaves"], r["impl"], r["round"]): r for r in rows if r["status"] == "ok"}
+
+  def check(n, impl, base, key, what, goal):
+    ratios = [ok[(n, impl, k)][key] / ok[(n, base, k)][key] for (m, i, k) in sorted(ok)
+              if (m, i) == (n, impl) and (n, base, k) in ok]
+    ratio = statistics.median(ratios)
+    return {"leaves": n, "what": what, "ratio": ratio, "ratios": ratios, "goal": goal,
+            "met": ratio <= goal}
+
+  def paired(impl, base):
+    return sorted({n for n, i, k in ok if i == impl and (n, base, k) in ok})
+
   out = []
-  both = [n for n, impl in ok if impl == "ffi" and (n, "floor") in ok]
-  if both:
-    n = max(both)
-    ffi, floor = ok[(n, "ffi")], ok[(n, "floor")]
+  if paired("ffi", "floor"):
+    n = max(paired("ffi", "floor"))
     for what, key in (("time", "compile_s"), ("memory", "peak_rss_gb")):
-      ratio = ffi[key] / floor[key]
-      out.append({"leaves": n, "what": f"custom call / floor, {what}", "ratio": ratio,
-                  "goal": GOALS[what], "met": ratio <= GOALS[what]})
-  for n in sorted({n for n, impl in ok if impl == "jax" and (n, "optax") in ok}):
-    ratio = ok[(n, "jax")]["compile_s"] / ok[(n, "optax")]["compile_s"]
-    out.append({"leaves": n, "what": "pure JAX / optax, time", "ratio": ratio, "goal": 1.0,
-                "met": ratio <= 1.0})
+      out.append(check(n, "ffi", "floor", key, f"custom call / floor, {what}", GOALS[what]))
+  for n in paired("jax", "optax"):
+    out.append(check(n, "jax", "optax", "compile_s", "pure JAX / optax, time", 1.0))
   return out
 
 
@@ -129,6 +141,8 @@ def main(argv=None):
   p.add_argument("--pure-max-leaves", type=int, default=5000,
                  help="the most leaves the jax and optax cases run at")
   p.add_argument("--timeout-s", type=float, default=900, help="per case")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="runs of every case, the cases taking turns (see above)")
   p.add_argument("--out", default=None,
                  help="JSON path (default benchmarks/results/bench_compile-<date>-<device>.json)")
   p.add_argument("--quick", action="store_true", help="50 leaves, each case at most 120 s")
@@ -146,20 +160,22 @@ def main(argv=None):
   for impl in impls:
     if impl not in IMPLS:
       p.error(f"--impls: {impl!r} is not one of {', '.join(IMPLS)}")
+  if args.rounds < 1:
+    p.error(f"--rounds must be at least 1, got {args.rounds}")
+  cases = [(n, impl) for n in map(int, args.leaves.split(",")) for impl in impls
+           if not (impl in PURE and n > args.pure_max_leaves)]
   rows = []
-  for n in map(int, args.leaves.split(",")):
-    for impl in impls:
-      if impl in PURE and n > args.pure_max_leaves:
-        continue
-      rows.append(run_case(n, impl, args.timeout_s, args.result_names))
-      print(f"{n} leaves, {impl}: {rows[-1]['status']}, {rows[-1]['compile_s']} s, "
-            f"{rows[-1]['peak_rss_gb']} GB", flush=True)
+  for k in range(args.rounds):
+    for n, impl in cases if k % 2 == 0 else cases[::-1]:
+      rows.append({**run_case(n, impl, args.timeout_s, args.result_names), "round": k})
+      print(f"round {k}, {n} leaves, {impl}: {rows[-1]['status']}, "
+            f"{rows[-1]['compile_s']} s, {rows[-1]['peak_rss_gb']} GB", flush=True)
 
   from benchlib import tables  # noqa: PLC0415 - imports jax, which the children must not share
   print(tables.render(
       "COMPILE TIME of one jitted update, and the compiling process's peak resident memory",
-      [("leaves", 7, lambda r: (r["leaves"], 0)), ("impl", -6, lambda r: r["impl"]),
-       ("compile s", 10, lambda r: r["compile_s"]),
+      [("round", 5, lambda r: (r["round"], 0)), ("leaves", 7, lambda r: (r["leaves"], 0)),
+       ("impl", -6, lambda r: r["impl"]), ("compile s", 10, lambda r: r["compile_s"]),
        ("peak RSS GB", 12, lambda r: (r["peak_rss_gb"], 2)),
        ("status", -20, lambda r: r["status"])],
       rows, "impl: ffi andrea_clip (the custom call), jax andrea_clip(impl=\"jax\"), optax "
@@ -169,9 +185,12 @@ def main(argv=None):
   checks = goals(rows)
   print(tables.render(
       "GOALS", [("leaves", 7, lambda r: (r["leaves"], 0)), ("what", -32, lambda r: r["what"]),
-                ("ratio", 6, lambda r: (r["ratio"], 2)), ("goal", 6, lambda r: (r["goal"], 2)),
+                ("ratio", 6, lambda r: (r["ratio"], 2)),
+                ("rounds", -16, lambda r: " ".join(f"{x:.2f}" for x in r["ratios"])),
+                ("goal", 6, lambda r: (r["goal"], 2)),
                 ("met", -4, lambda r: "yes" if r["met"] else "NO")],
-      checks, "ratio: of compile times or of peak resident memory"))
+      checks, "ratio: of compile times or of peak resident memory, the median over the "
+              "rounds (each round's in `rounds`)"))
   results = {"meta": tables.run_metadata(args), "rows": rows, "goals": checks}
   out = args.out or tables.default_out_path("bench_compile", results["meta"])
   tables.save_json(results, out, complete=True)

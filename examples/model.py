@@ -13,8 +13,9 @@ pass instead of keeping them: "block" all of them, "dots" all but the matmuls' o
 
 Training takes its losses from `GPT.token_losses`, whose LM head runs on the vocabulary
 padded to a multiple of VOCAB_ALIGN (zero columns, masked out of the softmax), and whose
-cross-entropy (`padded_cross_entropy`) reads the logits once each way: the same losses
-as the cross-entropy of `GPT.__call__`'s logits, and on a GPU a faster step.
+cross-entropy (`padded_cross_entropy`) keeps the logits in the computation dtype (on a
+GPU it reads them once each way): the same losses as the cross-entropy of
+`GPT.__call__`'s logits, and on a GPU a faster step.
 """
 
 import dataclasses
