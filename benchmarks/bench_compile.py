@@ -125,8 +125,9 @@ def goals(rows) -> list[dict]:
     return sorted({n for n, i, k in ok if i == impl and (n, base, k) in ok})
 
   out = []
-  if paired("ffi", "floor"):
-    n = max(paired("ffi", "floor"))
+  clipped = paired("ffi", "floor")
+  if clipped:
+    n = max(clipped)
     for what, key in (("time", "compile_s"), ("memory", "peak_rss_gb")):
       out.append(check(n, "ffi", "floor", key, f"custom call / floor, {what}", GOALS[what]))
   for n in paired("jax", "optax"):

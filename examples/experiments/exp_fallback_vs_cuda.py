@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-import optax
 from flax import nnx
 
 import exp_common  # first: it puts examples/ on the path
@@ -173,10 +172,9 @@ def time_config(args, name: str, impls: list[str]) -> dict:
   step_ms = median_ms(steps, args.time_steps, args.time_warmup)
   del steps
 
-  def loss_fn(params):
-    logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+  def loss_fn(params):  # training's loss (train_step.py)
+    model = nnx.merge(graphdef, params)
+    return model.token_losses(tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]).mean()
 
   grads = jax.jit(jax.grad(loss_fn))(params)
   norm0 = float(clipjax.global_norm(grads, impl="jax"))
