@@ -27,7 +27,7 @@ The flag shows what compiling costs without that, for the clip and for the floor
 
     python benchmarks/bench_compile.py                    # 2,000 and 20,000 leaves
     python benchmarks/bench_compile.py --leaves 20000 --impls floor,ffi --rounds 3
-    python benchmarks/bench_compile.py --quick     # 50 leaves: a few seconds on a CPU
+    python benchmarks/bench_compile.py --quick     # 10 leaves: a few seconds on a CPU
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main(argv=None):
                  help="runs of every case, the cases taking turns (see above)")
   p.add_argument("--out", default=None,
                  help="JSON path (default benchmarks/results/bench_compile-<date>-<device>.json)")
-  p.add_argument("--quick", action="store_true", help="50 leaves, each case at most 120 s")
+  p.add_argument("--quick", action="store_true", help="10 leaves, each case at most 120 s")
   p.add_argument("--without-result-names", dest="result_names", action="store_false",
                  help="diagnostic: lower without JAX's per-output names (see above)")
   p.add_argument("--child", help=argparse.SUPPRESS)
@@ -156,7 +156,7 @@ def main(argv=None):
     print(json.dumps(compile_once(int(leaves), impl, bool(int(result_names)))))
     return
   if args.quick:
-    args.leaves, args.timeout_s = "50", 120
+    args.leaves, args.timeout_s = "10", 120
   impls = args.impls.split(",")
   for impl in impls:
     if impl not in IMPLS:

@@ -3,7 +3,7 @@
 Random trees mix dtypes (float32, bfloat16, float16), sizes around the custom call's chunk
 (0, 1, 32767, 32768, 32769, ...) and magnitudes from 1e-37 to 1e38 (float16 within its
 range), with NaN or inf now and then. max_norm runs from 1e-30 to 1e30, as a Python float
-or traced. Checked on each tree: the norm, the decision, the non-finite flag, the output
+(a constant of the jit) or traced. Checked on each tree: the norm, the decision, the non-finite flag, the output
 dtypes, unclipped leaves bit for bit, and clipped leaves within one ulp of their dtype of
 the float64 product.
 
@@ -57,7 +57,12 @@ def _check_case(seed, impl):
 
   tree = [jnp.asarray(x) for x in leaves]
   clip = lambda t, m: clipjax.clip_tree(t, m, impl=impl, on_nonfinite=on_nonfinite)
-  result = jax.jit(clip)(tree, jnp.float32(max_norm)) if traced else clip(tree, max_norm)
+  # A traced max_norm is an argument of the jit; a Python float is a constant of it, as in
+  # a training step that clips by `andrea_clip(1.0)`.
+  if traced:
+    result = jax.jit(clip)(tree, jnp.float32(max_norm))
+  else:
+    result = jax.jit(clip, static_argnums=1)(tree, max_norm)
   where = f"seed {seed}, impl {impl}, max_norm {max_norm:g}"
   for got, x in zip(result.updates, leaves):
     assert got.dtype == x.dtype, where

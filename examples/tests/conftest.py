@@ -26,15 +26,23 @@ def cache_dir(tmp_path_factory):
 
 # JAX's persistent compilation cache, for this session's tests and their subprocesses: the
 # tests train the same tiny step many times, and each fresh jit of it would compile anew.
+# A size limit makes JAX lock the cache while it reads or writes an entry, since pytest-xdist's
+# workers share it.
 _COMPILE_CACHE = {"jax_compilation_cache_dir": None,
                   "jax_persistent_cache_min_compile_time_secs": 0.0,
-                  "jax_persistent_cache_min_entry_size_bytes": 0}
+                  "jax_persistent_cache_min_entry_size_bytes": 0,
+                  "jax_compilation_cache_max_size": 8 << 30}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-  settings = {**_COMPILE_CACHE,
-              "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("compile-cache"))}
+  """One cache for the session's workers. The cache's directory is part of JAX's cache keys
+  (it enters the compile options), so each worker's own would share nothing."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the session's directory; each worker's is below it
+  (root / "compile-cache").mkdir(exist_ok=True)
+  settings = {**_COMPILE_CACHE, "jax_compilation_cache_dir": str(root / "compile-cache")}
   before = {name: getattr(jax.config, name) for name in settings}
   for name, value in settings.items():
     jax.config.update(name, value)
