@@ -3,9 +3,9 @@
 Random trees mix dtypes (float32, bfloat16, float16), sizes around the custom call's chunk
 (0, 1, 32767, 32768, 32769, ...) and magnitudes from 1e-37 to 1e38 (float16 within its
 range), with NaN or inf now and then. max_norm runs from 1e-30 to 1e30, as a Python float
-(a constant of the jit) or traced. Checked on each tree: the norm, the decision, the non-finite flag, the output
-dtypes, unclipped leaves bit for bit, and clipped leaves within one ulp of their dtype of
-the float64 product.
+(a constant of the jit) or traced. Checked on each tree: the norm, the decision, the
+non-finite flag, the output dtypes, unclipped leaves bit for bit, and clipped leaves within
+one ulp of their dtype of the float64 product.
 
 Twenty-five cases per path run by default, 175 more with the slow set (`-m slow`);
 `pytest -m fuzz tests/test_fuzz.py` runs thousands.
