@@ -101,8 +101,8 @@ def start(cfg: TrainConfig) -> Run:
   graphdef, params = init_model(cfg, mesh)
   tx = train_step_lib.make_optimizer(cfg)
   opt_state = init_opt_state(tx, params, mesh)
-  train_step = train_step_lib.make_train_step(graphdef, tx, cfg, len(corpus.SOURCE_NAMES),
-                                              mesh, params, opt_state)
+  train_step = train_step_lib.train_step_for(graphdef, cfg, len(corpus.SOURCE_NAMES), mesh,
+                                             params, opt_state)
   run_dir = open_run_dir(cfg)
   try:
     return _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state,

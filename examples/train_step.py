@@ -19,8 +19,12 @@ the batch split over every device, parameters and optimizer state over the fsdp 
 the metrics replicated. The gradients are constrained to the parameters' shardings, so
 XLA reduce-scatters them and the clip and AdamW run on each device's shard; the clip is
 the plain andrea_clip, which needs no mesh of its own.
+
+`train_step_for` is the step a run takes: made once per process for each setting that
+shapes it, so that runs differing only in their seed, directories or time limit share it.
 """
 
+import dataclasses
 import functools
 
 import clipjax
@@ -103,3 +107,28 @@ def make_train_step(graphdef, tx, cfg: TrainConfig, num_sources: int, mesh=None,
     return params, opt_state, metrics
 
   return train_step
+
+
+# Settings the compiled step does not depend on: where the run writes, how long it runs,
+# what it reads and logs. (The mesh setting is in the step's key as the mesh itself.)
+OUTSIDE_THE_STEP = ("out_dir", "cache_dir", "resume", "overwrite", "seed", "checkpoint_every",
+                    "keep_checkpoints", "stop_after_step", "time_limit_s", "nonfinite_stop",
+                    "num_samples", "prompts", "sample_tokens", "sample_temperature",
+                    "log_every", "peak_tflops", "sources", "max_source_mb", "bandit_config",
+                    "mesh", "coordinator", "num_processes", "process_id",
+                    "heartbeat_timeout_s")
+_made_steps: dict = {}
+
+
+def train_step_for(graphdef, cfg: TrainConfig, num_sources: int, mesh=None, params=None,
+                   opt_state=None):
+  """`make_train_step`'s step for `cfg` with `make_optimizer(cfg)`, made once per process:
+  a later run whose settings differ only in OUTSIDE_THE_STEP (another seed, directory or
+  time limit, a resume) gets the same jitted step, and so neither traces nor compiles it
+  again."""
+  key = (graphdef, dataclasses.replace(cfg, **dict.fromkeys(OUTSIDE_THE_STEP)), num_sources,
+         mesh)
+  if key not in _made_steps:
+    _made_steps[key] = make_train_step(graphdef, make_optimizer(cfg), cfg, num_sources, mesh,
+                                       params, opt_state)
+  return _made_steps[key]

@@ -166,7 +166,7 @@ def test_no_usable_checkpoint_is_one_clear_error(tmp_path, resume, capsys):
 
 def test_a_loss_that_stays_nan_stops_the_run_and_no_nan_is_saved(
     tmp_path, cfg_in, monkeypatch):
-  real = train_step.make_train_step
+  real = train_step.train_step_for
 
   def poisoned(*args, **kwargs):
     step_fn = real(*args, **kwargs)
@@ -177,7 +177,7 @@ def test_a_loss_that_stays_nan_stops_the_run_and_no_nan_is_saved(
       return jax.tree.map(poison, params), opt_state, {**m, "loss": poison(m["loss"])}
     return step
 
-  monkeypatch.setattr(train_step, "make_train_step", poisoned)
+  monkeypatch.setattr(train_step, "train_step_for", poisoned)
   with pytest.raises(loop.TrainingDiverged, match=r"NaN/inf for 3 steps in a row "
                      r"\(steps 5-7\).*step 4 in"):
     loop.train(cfg_in(tmp_path))

@@ -276,3 +276,22 @@ def test_a_source_shorter_than_the_context_is_named(tmp_path, tiny):
                      "a batch row needs --context-length"):
     loop.train(tiny(tmp_path / "run", cache_dir=str(tmp_path / "cache"),
                     sources=(f"gutenberg={short}",)))
+
+
+def test_a_run_gets_the_jitted_step_of_an_earlier_run_with_the_same_settings(tmp_path, tiny):
+  """Within a process, a run that differs from an earlier one only where the step does not
+  look (its directory, seed, time limit, resume) reuses its jitted step; any setting the
+  step is built from makes a new one."""
+  cfg = config.resolve(config.check(tiny(tmp_path / "a")))
+  graphdef, _ = loop.init_model(cfg)
+  step = train_step.train_step_for(graphdef, cfg, 3)
+  again = dataclasses.replace(cfg, out_dir=str(tmp_path / "b"), seed=7, time_limit_s=5.0,
+                              resume=True, stop_after_step=2, num_samples=0)
+  assert train_step.train_step_for(graphdef, again, 3) is step
+  assert train_step.train_step_for(graphdef, cfg, 4) is not step
+  for field, value in (("steps", cfg.steps + 1), ("peak_lr", cfg.peak_lr / 2),
+                       ("max_norm", 0.5), ("spike", "zscore"), ("clip_impl", "ffi"),
+                       ("batch_size", 2 * cfg.batch_size), ("dtype", "bfloat16")):
+    other = dataclasses.replace(cfg, **{field: value})
+    assert train_step.train_step_for(graphdef, other, 3) is not step, field
+  assert set(train_step.OUTSIDE_THE_STEP) < {f.name for f in dataclasses.fields(cfg)}
