@@ -100,11 +100,13 @@ def parse_variant(text: str) -> dict:
 
 
 class BareStep:
-  """The training step of `cfg` on one fixed batch already on the devices: `step_fn`
-  (the loop's, compiled when the loop first runs), or else one made and compiled here
-  (its compile time and the compiled program's peak memory are kept)."""
+  """The training step of `cfg` on one fixed batch of the example's data (`streams`, the
+  token streams of its sources) already on the devices: `step_fn` (the loop's, compiled
+  when the loop first runs), or else one made and compiled here (its compile time and the
+  compiled program's peak memory are kept). Real text, not random tokens: its repeated
+  tokens make the embedding's gradient a different sum (docs/speed.md)."""
 
-  def __init__(self, cfg: config.TrainConfig, streams=None, step_fn=None):
+  def __init__(self, cfg: config.TrainConfig, streams, step_fn=None):
     self.cfg = cfg
     mesh = loop.make_mesh(cfg)
     graphdef, self.params = loop.init_model(cfg, mesh)
@@ -114,9 +116,6 @@ class BareStep:
     self.flops_per_token = throughput.flops_per_token(
         self.params, num_layers=model_cfg.num_layers, d_model=model_cfg.d_model,
         context_length=cfg.context_length)
-    rng = np.random.default_rng(0)
-    streams = streams or [rng.integers(0, cfg.vocab_size, 10 * cfg.context_length,
-                                       dtype=np.int32) for _ in range(3)]
     batch = pipeline.sample_batch(streams, np.full(3, 1 / 3), seed=0, step=1,
                                   batch_size=cfg.batch_size,
                                   context_length=cfg.context_length)
@@ -190,6 +189,7 @@ def loop_against_step(args) -> dict:
 def step_variants(args) -> tuple[list[dict], dict | None]:
   """A row per variant, and the first variant's kernel times (kernel_times)."""
   built, rows = [], []
+  streams = loop.load_data(config.resolve(base_config(args))).streams
   for text in filter(None, args.variants.split(";")):
     variant = parse_variant(text)
     try:
@@ -197,7 +197,7 @@ def step_variants(args) -> tuple[list[dict], dict | None]:
     except config.ConfigError as e:
       rows.append({"variant": text, "skipped": str(e)})
       continue
-    bare = BareStep(cfg)
+    bare = BareStep(cfg, streams)
     bare.run(2)  # warm-up
     print(f"variant {text}: compiled in {bare.compile_s:.1f} s", flush=True)
     built.append((text, bare, []))

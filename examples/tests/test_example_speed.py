@@ -154,6 +154,30 @@ def test_the_model_computes_in_its_dtype_and_keeps_float32_parameters(dtype):
   assert {x.dtype for x in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}
 
 
+def test_the_embeddings_gradients_are_summed_in_float32():
+  """In bfloat16 a token that fills the batch gets, as its embedding's gradient, the
+  float32 sum of its 512 positions' gradients (a bfloat16 sum is off by about 1e-2), and
+  each position the float32 sum over the batch."""
+  cfg = model_lib.ModelConfig(num_layers=1, d_model=32, num_heads=2, vocab_size=300,
+                              context_length=64, dtype="bfloat16")
+  graphdef, params = nnx.split(model_lib.GPT(cfg, nnx.Rngs(0)), nnx.Param)
+  tokens_BxL = jnp.full((8, 64), 7, jnp.int32)
+  g_BxLxD = jax.random.normal(jax.random.key(1), (8, 64, 32), jnp.bfloat16)
+
+  def loss(params):
+    x_BxLxD = nnx.merge(graphdef, params).embed(tokens_BxL)
+    assert x_BxLxD.dtype == jnp.bfloat16
+    return jnp.sum(x_BxLxD.astype(jnp.float32) * g_BxLxD.astype(jnp.float32))
+
+  grads = jax.grad(loss)(params)
+  g = np.asarray(g_BxLxD, np.float64)
+  token_grad = np.asarray(grads["token_embed"]["embedding"][...])
+  np.testing.assert_allclose(token_grad[7], g.sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)
+  assert not np.any(np.delete(token_grad, 7, axis=0))
+  np.testing.assert_allclose(np.asarray(grads["pos_embed"]["embedding"][...]), g.sum(axis=0),
+                             rtol=1e-5, atol=1e-5)
+
+
 # --- Settings per platform ---------------------------------------------------------
 
 
