@@ -14,6 +14,11 @@ The tables give the median over rounds and the spread (lowest to highest round).
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.
 
+Beside them, where torch sees a GPU, the same model in torch (benchlib.torch_gpt), stepped
+eagerly as a torch user writes it: fused AdamW alone, and after clip_grad_norm_. Its rows
+are timed in the same rounds, and their "vs" is over torch's AdamW alone. Without torch or a GPU they are left out, and the JSON says
+why. XLA does not preallocate the GPU's memory here, so that torch can share it.
+
     python benchmarks/bench_train_step.py                      # the GPU run
     python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
     python benchmarks/bench_train_step.py --cases andrea-120m:1:f32 --variants none,andrea
@@ -30,12 +35,16 @@ import sys
 import time
 import warnings
 
-import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
-from benchlib import profiling, tables
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchlib import profiling, tables  # noqa: E402
+from benchlib.torch_baseline import import_torch  # noqa: E402
+from benchlib.torch_gpt import TorchRunner  # noqa: E402
 from benchlib.cli import Log, choices
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -55,6 +64,12 @@ VARIANTS = {
     "andrea_jax": ("andrea_clip(impl=jax)", lambda m: clipjax.andrea_clip(m, impl="jax")),
     "optax": ("clip_by_global_norm + adamw", optax.clip_by_global_norm),
 }
+# torch's step on the same model: (label, clip_grad_norm_'s max_norm or None).
+TORCH_VARIANTS = {
+    "torch_adamw": ("torch: fused AdamW alone", None),
+    "torch_clip": ("torch: clip_grad_norm_ + AdamW", MAX_NORM),
+}
+LABELS = {k: v[0] for k, v in {**VARIANTS, **TORCH_VARIANTS}.items()}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 PROFILED_STEPS = 5
 DEFAULT_CASES = ("andrea-120m:1:f32,andrea-120m:1:bf16,andrea-120m:4:f32,andrea-120m:4:bf16,"
@@ -68,8 +83,9 @@ def parse_args(argv=None):
   p.add_argument("--cases", default=DEFAULT_CASES,
                  help="comma list of MODEL:BATCH:DTYPE (models: " +
                  ", ".join(model_lib.MODEL_CONFIGS) + "; dtypes: f32, bf16)")
-  p.add_argument("--variants", default="none,andrea,andrea_kernel,andrea_jax,optax",
-                 help="comma list of: " + ", ".join(VARIANTS))
+  p.add_argument("--variants",
+                 default="none,andrea,andrea_kernel,andrea_jax,optax,torch_adamw,torch_clip",
+                 help="comma list of: " + ", ".join(LABELS))
   p.add_argument("--context-length", type=int, default=1024)
   p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
   p.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
@@ -85,7 +101,7 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if args.quick:
     args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 2
-  args.variants = choices(p, "--variants", args.variants, VARIANTS)
+  args.variants = choices(p, "--variants", args.variants, LABELS)
   args.cases = [parse_case(p, c) for c in args.cases.split(",") if c.strip()]
   return args
 
@@ -172,17 +188,45 @@ def spread(values_ms):
           "rounds": values_ms}
 
 
-def bench_case(name, batch, dtype, args):
+def make_runners(name, batch, dtype, args, skipped):
+  """The case's runners, JAX's variants first; a torch variant torch cannot run goes into
+  `skipped` (variant -> why)."""
   graphdef, params, cfg = make_model(name, args.context_length, dtype)
   tokens = jax.random.randint(jax.random.key(1), (batch, args.context_length + 1), 0,
                               cfg.vocab_size, jnp.int32)
   runners = []
   for v in args.variants:
-    runners.append(Runner(v, graphdef, params, tokens))
-    log(f"{name} batch {batch} {dtype}: {v} compiled in {runners[-1].compile_s:.1f} s")
-  del params
-  wall = {v: [] for v in args.variants}
-  dispatch = {v: [] for v in args.variants}
+    if v in TORCH_VARIANTS:
+      torch, why = import_torch()
+      if torch is None:
+        skipped[v] = why
+        continue
+      runners.append(TorchRunner(torch, v, cfg, dtype, jax.device_get(tokens),
+                                 clip_norm=TORCH_VARIANTS[v][1], learning_rate=LEARNING_RATE,
+                                 weight_decay=WEIGHT_DECAY))
+      log(f"{name} batch {batch} {dtype}: {v} ready")
+    else:
+      runners.append(Runner(v, graphdef, params, tokens))
+      log(f"{name} batch {batch} {dtype}: {v} compiled in {runners[-1].compile_s:.1f} s")
+  return runners
+
+
+def profile(runner, args, trace_name):
+  """(device ms per step, {host event: ms per step}) from a profiled round."""
+  keep = os.path.join(args.trace_dir, trace_name) if args.trace_dir else None
+  planes = profiling.traced_planes(lambda: runner.run(PROFILED_STEPS), keep)
+  busy = {p.name: profiling.busy_seconds(list(p.lines)) for p in planes
+          if p.name.startswith("/device:GPU")}
+  busy = [v for v in busy.values() if v is not None]
+  device_ms = max(busy) / PROFILED_STEPS * 1e3 if busy else None
+  return device_ms, {k: v / PROFILED_STEPS * 1e3
+                     for k, v in profiling.host_seconds(planes).items()}
+
+
+def bench_case(name, batch, dtype, args, skipped):
+  runners = make_runners(name, batch, dtype, args, skipped)
+  wall = {r.variant: [] for r in runners}
+  dispatch = {r.variant: [] for r in runners}
   for r in range(args.rounds):
     order = runners[r % len(runners):] + runners[:r % len(runners)]
     for runner in order:
@@ -191,25 +235,19 @@ def bench_case(name, batch, dtype, args):
       dispatch[runner.variant].append(d / args.steps * 1e3)
   rows = []
   for runner in runners:
-    device_ms, host_ms = None, {}
-    if not args.no_profile:
-      keep = (os.path.join(args.trace_dir, f"{name}-b{batch}-{dtype}-{runner.variant}")
-              if args.trace_dir else None)
-      planes = profiling.traced_planes(lambda: runner.run(PROFILED_STEPS), keep)
-      busy = {p.name: profiling.busy_seconds(list(p.lines)) for p in planes
-              if p.name.startswith("/device:GPU")}
-      busy = {k: v for k, v in busy.items() if v is not None}
-      device_ms = max(busy.values()) / PROFILED_STEPS * 1e3 if busy else None
-      host_ms = {k: v / PROFILED_STEPS * 1e3
-                 for k, v in profiling.host_seconds(planes).items()}
+    device_ms, host_ms = (None, {}) if args.no_profile else profile(
+        runner, args, f"{name}-b{batch}-{dtype}-{runner.variant}")
     rows.append({"model": name, "batch": batch, "dtype": dtype, "variant": runner.variant,
-                 "label": VARIANTS[runner.variant][0], "tokens_per_step": batch *
+                 "label": LABELS[runner.variant], "tokens_per_step": batch *
                  args.context_length, "wall_ms": spread(wall[runner.variant]),
                  "dispatch_ms": spread(dispatch[runner.variant]), "device_ms": device_ms,
                  "host_ms_by_event": host_ms, "compile_s": runner.compile_s,
                  "hlo": runner.hlo, **runner.clip_facts()})
-  base = next((r for r in rows if r["variant"] == "none"), None)
+  # JAX's rows against adamw alone, torch's against torch's AdamW alone.
+  bases = {framework: next((r for r in rows if r["variant"] == v), None)
+           for framework, v in (("jax", "none"), ("torch", "torch_adamw"))}
   for row in rows:
+    base = bases["torch" if row["variant"] in TORCH_VARIANTS else "jax"]
     if base:
       row["wall_vs_adamw"] = row["wall_ms"]["median"] / base["wall_ms"]["median"]
       row["dispatch_vs_adamw"] = row["dispatch_ms"]["median"] / base["dispatch_ms"]["median"]
@@ -221,7 +259,7 @@ def table(rows):
     return lambda r: f"{r[key]['median']:.2f} ({r[key]['min']:.2f}-{r[key]['max']:.2f})"
 
   columns = [("model", -11, lambda r: r["model"]), ("B", 3, lambda r: (r["batch"], 0)),
-             ("dtype", -5, lambda r: r["dtype"]), ("step", -28, lambda r: r["label"]),
+             ("dtype", -5, lambda r: r["dtype"]), ("step", -30, lambda r: r["label"]),
              ("wall ms (spread)", 22, ms("wall_ms")),
              ("vs adamw", 8, lambda r: (r.get("wall_vs_adamw"), 3)),
              ("dispatch ms (spread)", 22, ms("dispatch_ms")),
@@ -233,20 +271,20 @@ def table(rows):
       columns, rows,
       "wall: a round's time until its last step's results are ready, per step; dispatch: the "
       "host's time inside the calls, per step; medians over interleaved rounds, (lowest-"
-      "highest round); vs adamw: over adamw alone's median; device: the GPU's busy time "
-      "(profiler).")
+      "highest round); vs adamw: over adamw alone's median (torch's rows: over torch's "
+      "AdamW alone); device: the GPU's busy time (profiler).")
 
 
 def main(argv=None):
   args = parse_args(argv)
   meta = tables.run_metadata(args)
   out = args.out or tables.default_out_path("bench_train_step", meta)
-  results = {"meta": meta, "rows": []}
+  results = {"meta": meta, "rows": [], "skipped": {}}
   for name, batch, dtype in args.cases:
     if args.max_seconds and log.elapsed() > args.max_seconds:
       log(f"time budget spent: skipping {name} batch {batch} {dtype}")
       continue
-    results["rows"] += bench_case(name, batch, dtype, args)
+    results["rows"] += bench_case(name, batch, dtype, args, results["skipped"])
     tables.save_json(results, out, complete=False)
     case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
                  (name, batch, dtype)]
@@ -256,6 +294,8 @@ def main(argv=None):
       print(f"host ms per step by event, {row['label']}: " +
             "; ".join(f"{k[:60]} {v:.3f}" for k, v in events), flush=True)
   print(table(results["rows"]))
+  for variant, why in results["skipped"].items():
+    log(f"{variant} left out: {why}")
   tables.save_json(results, out, complete=True)
   log(f"wrote {out}")
 

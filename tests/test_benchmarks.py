@@ -190,6 +190,64 @@ def test_bench_pure_jax_quick(tmp_path):
   assert all(r["wall_us"] > 0 and r["device_us"] is None for r in rows)  # a CPU: no trace
 
 
+@pytest.mark.slow  # a whole benchmark run, a minute or more
+def test_bench_train_step_quick(tmp_path):
+  results, stdout = run_quick("bench_train_step.py", tmp_path)
+  assert results["meta"]["complete"] and "REAL TRAINING STEP" in stdout
+  rows, variants = results["rows"], ("none", "andrea", "andrea_kernel", "andrea_jax", "optax")
+  assert sorted((r["dtype"], r["variant"]) for r in rows) == sorted(
+      (d, v) for d in ("f32", "bf16") for v in variants)
+  assert set(results["skipped"]) == {"torch_adamw", "torch_clip"}  # torch needs a GPU
+  for row in rows:
+    wall, dispatch = row["wall_ms"], row["dispatch_ms"]
+    assert all(0 < d <= w for d, w in zip(dispatch["rounds"], wall["rounds"]))
+    assert wall["min"] <= wall["median"] <= wall["max"]
+    alone = find(rows, dtype=row["dtype"], variant="none")
+    assert row["wall_vs_adamw"] == pytest.approx(wall["median"] / alone["wall_ms"]["median"])
+    assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
+    if row["variant"].startswith("andrea"):
+      assert row["global_norm"] > 0
+
+
+def test_torch_gpt_is_the_example_model():
+  """bench_train_step's torch rows run the example's GPT: with the JAX model's weights
+  copied in leaf for leaf, the torch model gives the same logits, and its step (the clip,
+  then AdamW) moves every leaf."""
+  torch = pytest.importorskip("torch")
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from benchlib import torch_gpt
+  sys.path.insert(0, str(ROOT / "examples"))
+  import model as model_lib
+
+  cfg = model_lib.ModelConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=300,
+                              context_length=16)
+  gpt = model_lib.GPT(cfg, nnx.Rngs(0))
+  torch_model = torch_gpt.build_gpt(torch, cfg, "cpu")
+  leaves = dict(torch_model.named_parameters())
+  renames = ((".attn.", "."), (".mlp.", "."), ("embedding", "weight"), ("kernel", "weight"),
+             ("scale", "weight"))
+  with torch.no_grad():
+    for path, value in nnx.to_flat_state(nnx.state(gpt, nnx.Param)):
+      name = ".".join(map(str, path))
+      for old, new in renames:
+        name = name.replace(old, new)
+      value = np.asarray(value[...])
+      leaves.pop(name).copy_(torch.from_numpy(np.array(value.T if path[-1] == "kernel"
+                                                       else value)))
+  assert not leaves  # every torch leaf has its JAX leaf
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.context_length + 1))
+  want = np.asarray(gpt(jnp.asarray(tokens[:, :-1])))
+  got = torch_model(torch.as_tensor(tokens[:, :-1])).detach().numpy()
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  before = [p.detach().clone() for p in torch_model.parameters()]
+  torch_gpt.make_step(torch, torch_model, clip_norm=1.0, learning_rate=1e-3, weight_decay=0.1,
+                      autocast=False)(torch.as_tensor(tokens))
+  assert all(not torch.equal(b, p) for b, p in zip(before, torch_model.parameters()))
+
+
 def test_busy_seconds_is_the_union_of_stream_activity():
   ev = lambda start, dur: NS(start_ns=start, duration_ns=dur)  # noqa: E731
   streams = [NS(name="Stream #1", events=[ev(0, 100), ev(50, 100)]),  # overlap: 0..150
