@@ -17,7 +17,8 @@ parameters, and so the gradients and AdamW's moments, in bfloat16.
 Beside them, where torch sees a GPU, the same model in torch (benchlib.torch_gpt), stepped
 eagerly as a torch user writes it: fused AdamW alone, and after clip_grad_norm_. Its rows
 are timed in the same rounds, and their "vs" is over torch's AdamW alone. Without torch or a GPU they are left out, and the JSON says
-why. XLA does not preallocate the GPU's memory here, so that torch can share it.
+why. With torch's rows XLA does not preallocate the GPU's memory, so that torch can share
+it; without them it does, as in a user's JAX process.
 
     python benchmarks/bench_train_step.py                      # the GPU run
     python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
@@ -35,17 +36,15 @@ import sys
 import time
 import warnings
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from benchlib import profiling, tables  # noqa: E402
-from benchlib.torch_baseline import import_torch  # noqa: E402
-from benchlib.torch_gpt import TorchRunner  # noqa: E402
+from benchlib import profiling, tables
 from benchlib.cli import Log, choices
+from benchlib.torch_baseline import import_torch
+from benchlib.torch_gpt import TorchRunner
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))
@@ -277,6 +276,8 @@ def table(rows):
 
 def main(argv=None):
   args = parse_args(argv)
+  if any(v in TORCH_VARIANTS for v in args.variants):  # before JAX starts its backend
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   meta = tables.run_metadata(args)
   out = args.out or tables.default_out_path("bench_train_step", meta)
   results = {"meta": meta, "rows": [], "skipped": {}}
