@@ -16,9 +16,10 @@ parameters, and so the gradients and AdamW's moments, in bfloat16.
 
 Beside them, where torch sees a GPU, the same model in torch (benchlib.torch_gpt), stepped
 eagerly as a torch user writes it: fused AdamW alone, and after clip_grad_norm_. Its rows
-are timed in the same rounds, and their "vs" is over torch's AdamW alone. Without torch or a GPU they are left out, and the JSON says
-why. With torch's rows XLA does not preallocate the GPU's memory, so that torch can share
-it; without them it does, as in a user's JAX process.
+are timed in the same rounds, and their "vs" is over torch's AdamW alone. Without torch or
+a GPU they are left out, and the JSON says why. With torch's rows XLA does not preallocate
+the GPU's memory, so that torch can share it; without them it does, as in a user's JAX
+process.
 
     python benchmarks/bench_train_step.py                      # the GPU run
     python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
