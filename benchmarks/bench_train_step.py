@@ -25,7 +25,7 @@ process.
     python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
     python benchmarks/bench_train_step.py --cases andrea-120m:1:f32 --variants none,andrea
 
-docs/benchmarks.md says what it measured.
+docs/wall_clock.md says what it measured.
 """
 
 from __future__ import annotations
