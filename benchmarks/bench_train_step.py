@@ -188,18 +188,15 @@ def spread(values_ms):
           "rounds": values_ms}
 
 
-def make_runners(name, batch, dtype, args, skipped):
-  """The case's runners, JAX's variants first; a torch variant torch cannot run goes into
-  `skipped` (variant -> why)."""
+def make_runners(name, batch, dtype, args, torch):
+  """The case's runners; torch's variants only where `torch` is given."""
   graphdef, params, cfg = make_model(name, args.context_length, dtype)
   tokens = jax.random.randint(jax.random.key(1), (batch, args.context_length + 1), 0,
                               cfg.vocab_size, jnp.int32)
   runners = []
   for v in args.variants:
     if v in TORCH_VARIANTS:
-      torch, why = import_torch()
       if torch is None:
-        skipped[v] = why
         continue
       runners.append(TorchRunner(torch, v, cfg, dtype, jax.device_get(tokens),
                                  clip_norm=TORCH_VARIANTS[v][1], learning_rate=LEARNING_RATE,
@@ -223,8 +220,8 @@ def profile(runner, args, trace_name):
                      for k, v in profiling.host_seconds(planes).items()}
 
 
-def bench_case(name, batch, dtype, args, skipped):
-  runners = make_runners(name, batch, dtype, args, skipped)
+def bench_case(name, batch, dtype, args, torch):
+  runners = make_runners(name, batch, dtype, args, torch)
   wall = {r.variant: [] for r in runners}
   dispatch = {r.variant: [] for r in runners}
   for r in range(args.rounds):
@@ -277,16 +274,19 @@ def table(rows):
 
 def main(argv=None):
   args = parse_args(argv)
-  if any(v in TORCH_VARIANTS for v in args.variants):  # before JAX starts its backend
+  torch_variants = [v for v in args.variants if v in TORCH_VARIANTS]
+  torch, why = import_torch() if torch_variants else (None, "")
+  if torch is not None:  # before JAX starts its backend
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   meta = tables.run_metadata(args)
   out = args.out or tables.default_out_path("bench_train_step", meta)
-  results = {"meta": meta, "rows": [], "skipped": {}}
+  skipped = dict.fromkeys(torch_variants, why) if torch is None else {}
+  results = {"meta": meta, "rows": [], "skipped": skipped}
   for name, batch, dtype in args.cases:
     if args.max_seconds and log.elapsed() > args.max_seconds:
       log(f"time budget spent: skipping {name} batch {batch} {dtype}")
       continue
-    results["rows"] += bench_case(name, batch, dtype, args, results["skipped"])
+    results["rows"] += bench_case(name, batch, dtype, args, torch)
     tables.save_json(results, out, complete=False)
     case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
                  (name, batch, dtype)]
