@@ -134,6 +134,14 @@ def test_the_custom_call_runs_per_shard(devices):
       assert f"{hlo_dtype[dtype]}[{','.join(map(str, shape))}]{{" not in hlo, k
 
 
+def test_the_custom_call_is_traced_for_the_partitioner(devices):
+  """With devices to split over, the clip reaches XLA's partitioner as one partitionable
+  call (on a single device it is traced as its custom calls alone: test_many_leaves.py)."""
+  grads = _tree(_layout(devices), seed=4)
+  text = str(jax.make_jaxpr(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi").updates)(grads))
+  assert "custom_partitioning" in text
+
+
 def test_below_max_norm_is_bit_identical(devices, impl):
   mesh, layout = _mesh(), _layout(devices)
   specs, grads = _specs(layout), _tree(layout, seed=2)
