@@ -153,7 +153,8 @@ def _batchable(mode, on_nonfinite, scale_by, ranks):
 def _nothing_to_partition() -> bool:
   """Whether JAX sees a single device, with no mesh of more devices set: then no jit can
   split a leaf, and the partitioner would only inline the whole call."""
-  return jax.device_count() == 1 and math.prod(jax.sharding.get_abstract_mesh().axis_sizes) <= 1
+  mesh_size = math.prod(jax.sharding.get_abstract_mesh().axis_sizes)
+  return jax.device_count() == 1 and mesh_size <= 1
 
 
 def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):

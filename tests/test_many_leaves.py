@@ -68,17 +68,13 @@ def test_below_max_norm_is_bit_identical_and_nan_zeroes_every_leaf():
   assert all(not np.any(np.asarray(v, np.float32)) for v in zeroed.updates.values())
 
 
-def _jaxpr_text(fn, *args):
-  return str(jax.make_jaxpr(fn)(*args))
-
-
 def test_one_device_traces_the_custom_calls_alone():
   """Where nothing can be split, neither JAX's partitioner hook nor its vmap hook is traced
   (their per-leaf work is what many leaves pay for); tests/test_gspmd.py checks that they
   are where there are devices to split over."""
   if jax.device_count() != 1:
     pytest.skip(f"checks the single-device path; this process sees {jax.device_count()}")
-  text = _jaxpr_text(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi").updates, _tree())
+  text = str(jax.make_jaxpr(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi").updates)(_tree()))
   assert "ffi_call" in text
   assert "custom_partitioning" not in text and "custom_vmap" not in text
 
@@ -86,8 +82,8 @@ def test_one_device_traces_the_custom_calls_alone():
 def test_vmap_clips_each_tree_on_its_own():
   tree = _tree(2)
   factors = (0.01, 1.0, 30.0)  # below max_norm, near it, far above it
-  batch = jax.tree.map(lambda x: jnp.stack([x * jnp.asarray(f, x.dtype) for f in factors]),
-                       tree)
+  batch = {k: jax.device_put(np.stack([np.asarray(x, np.float32) * f for f in factors])
+                             .astype(x.dtype)) for k, x in tree.items()}
   got = jax.jit(jax.vmap(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi")))(batch)
   for i in range(len(factors)):
     one = {k: v[i] for k, v in batch.items()}
