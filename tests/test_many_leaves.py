@@ -30,6 +30,14 @@ def _custom_calls(fn, *args):
           hlo.count('custom_call_target="clipjax_andrea_scale"'))
 
 
+def _assert_clipped_by(got, x, norm, name):
+  """`got` is leaf `x` clipped by a float64 `norm` to max_norm 1, within 2 ulps."""
+  want = np.asarray(x, np.float64) * min(1.0, 1.0 / norm) if norm else np.asarray(x, np.float64)
+  eps = float(jnp.finfo(x.dtype).eps)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 * eps, atol=1e-7,
+                             err_msg=name)
+
+
 @pytest.mark.parametrize("mode", ["global", "per_tensor"])
 def test_matches_float64(mode):
   tree = _tree()
@@ -40,11 +48,7 @@ def test_matches_float64(mode):
                              rtol=1e-6)
   assert bool(got.clipped)
   for k, x in tree.items():
-    norm = f64_norm(tree) if mode == "global" else norms[k]
-    want = np.asarray(x, np.float64) * min(1.0, 1.0 / norm) if norm else np.asarray(x, np.float64)
-    eps = float(jnp.finfo(x.dtype).eps)
-    np.testing.assert_allclose(np.asarray(got.updates[k], np.float64), want, rtol=2 * eps,
-                               atol=1e-7, err_msg=k)
+    _assert_clipped_by(got.updates[k], x, f64_norm(tree) if mode == "global" else norms[k], k)
 
 
 def test_is_clipped_by_three_norm_calls_and_three_scale_calls():
@@ -91,7 +95,4 @@ def test_vmap_clips_each_tree_on_its_own():
     np.testing.assert_allclose(float(got.global_norm[i]), norm, rtol=1e-6)
     assert bool(got.clipped[i]) == (norm > 1.0)
     for k, x in one.items():
-      want = np.asarray(x, np.float64) * min(1.0, 1.0 / norm)
-      eps = float(jnp.finfo(x.dtype).eps)
-      np.testing.assert_allclose(np.asarray(got.updates[k][i], np.float64), want,
-                                 rtol=2 * eps, atol=1e-7, err_msg=f"{k}, tree {i}")
+      _assert_clipped_by(got.updates[k][i], x, norm, f"{k}, tree {i}")
