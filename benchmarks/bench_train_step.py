@@ -4,12 +4,19 @@ donated, no metrics fetched.
 
 For each model, batch and gradient dtype, the variants run in interleaved rounds (each round
 runs every variant for --steps steps, the order rotating from round to round, so that drift
-hits each alike), and each is read on three clocks:
+hits each alike), and each is read on four clocks:
   - wall per step: from the first call of a round until its last step's results are ready,
     over the steps;
   - dispatch per step: the host's time inside the jitted calls (until each call returns);
+    where the GPU sets the pace this includes the wait for a free slot in the queue;
+  - host per step: the same, for --host-steps more steps per round, each called with the
+    GPU idle and nothing queued, so no wait is in it: the host's own cost of a step;
   - device per step: the GPU's busy time, from a profiled round (benchlib.profiling).
-The tables give the median over rounds and the spread (lowest to highest round).
+The tables give the median over rounds and the spread (lowest to highest round), each
+variant against adamw alone as a ratio of medians ("vs") and as the median of the
+rounds' own ratios ("paired": each round's wall time over adamw alone's in the same
+round, so that drift between rounds cancels). Python's garbage collector is off while a
+round is timed.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.
@@ -31,6 +38,7 @@ docs/wall_clock.md says what it measured.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -89,6 +97,8 @@ def parse_args(argv=None):
   p.add_argument("--context-length", type=int, default=1024)
   p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
   p.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+  p.add_argument("--host-steps", type=int, default=5,
+                 help="steps per variant per round timed with the GPU idle (host per step)")
   p.add_argument("--no-profile", action="store_true", help="skip the profiled round")
   p.add_argument("--trace-dir", default=None,
                  help="keep each variant's profiler trace (host and device rows) here")
@@ -101,6 +111,7 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if args.quick:
     args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 2
+    args.host_steps = 2
   args.variants = choices(p, "--variants", args.variants, LABELS)
   args.cases = [parse_case(p, c) for c in args.cases.split(",") if c.strip()]
   return args
@@ -164,12 +175,15 @@ class Runner:
     self.hlo = profiling.hlo_summary(compiled.as_text())
     self.run(2)  # warm-up: the first calls after a compile are slower
 
-  def run(self, steps):
-    """(wall seconds, dispatch seconds) of `steps` steps."""
+  def run(self, steps, drained=False):
+    """(wall seconds, dispatch seconds) of `steps` steps; `drained`: each called once the
+    step before it has finished."""
     jax.block_until_ready(self.state)
     dispatch = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
+      if drained:
+        jax.block_until_ready(self.state)
       t = time.perf_counter()
       self.state = self.fn(*self.state, self.tokens)
       dispatch += time.perf_counter() - t
@@ -186,6 +200,21 @@ class Runner:
 def spread(values_ms):
   return {"median": statistics.median(values_ms), "min": min(values_ms), "max": max(values_ms),
           "rounds": values_ms}
+
+
+def timed_round(order, args):
+  """{variant: (wall, dispatch, host) seconds} of one round, the collector off."""
+  gc.collect()
+  gc.disable()
+  try:
+    out = {}
+    for runner in order:
+      wall, dispatch = runner.run(args.steps)
+      _, host = runner.run(args.host_steps, drained=True)
+      out[runner.variant] = (wall, dispatch, host)
+    return out
+  finally:
+    gc.enable()
 
 
 def make_runners(name, batch, dtype, args, torch):
@@ -222,23 +251,23 @@ def profile(runner, args, trace_name):
 
 def bench_case(name, batch, dtype, args, torch):
   runners = make_runners(name, batch, dtype, args, torch)
-  wall = {r.variant: [] for r in runners}
-  dispatch = {r.variant: [] for r in runners}
+  clocks = {k: {r.variant: [] for r in runners} for k in ("wall", "dispatch", "host")}
   for r in range(args.rounds):
     order = runners[r % len(runners):] + runners[:r % len(runners)]
-    for runner in order:
-      w, d = runner.run(args.steps)
-      wall[runner.variant].append(w / args.steps * 1e3)
-      dispatch[runner.variant].append(d / args.steps * 1e3)
+    for variant, (w, d, h) in timed_round(order, args).items():
+      clocks["wall"][variant].append(w / args.steps * 1e3)
+      clocks["dispatch"][variant].append(d / args.steps * 1e3)
+      clocks["host"][variant].append(h / args.host_steps * 1e3)
   rows = []
   for runner in runners:
-    device_ms, host_ms = (None, {}) if args.no_profile else profile(
+    device_ms, events_ms = (None, {}) if args.no_profile else profile(
         runner, args, f"{name}-b{batch}-{dtype}-{runner.variant}")
     rows.append({"model": name, "batch": batch, "dtype": dtype, "variant": runner.variant,
-                 "label": LABELS[runner.variant], "tokens_per_step": batch *
-                 args.context_length, "wall_ms": spread(wall[runner.variant]),
-                 "dispatch_ms": spread(dispatch[runner.variant]), "device_ms": device_ms,
-                 "host_ms_by_event": host_ms, "compile_s": runner.compile_s,
+                 "label": LABELS[runner.variant],
+                 "tokens_per_step": batch * args.context_length,
+                 **{f"{k}_ms": spread(v[runner.variant]) for k, v in clocks.items()},
+                 "device_ms": device_ms, "host_ms_by_event": events_ms,
+                 "compile_s": runner.compile_s,
                  "hlo": runner.hlo, **runner.clip_facts()})
   # JAX's rows against adamw alone, torch's against torch's AdamW alone.
   bases = {framework: next((r for r in rows if r["variant"] == v), None)
@@ -246,8 +275,10 @@ def bench_case(name, batch, dtype, args, torch):
   for row in rows:
     base = bases["torch" if row["variant"] in TORCH_VARIANTS else "jax"]
     if base:
-      row["wall_vs_adamw"] = row["wall_ms"]["median"] / base["wall_ms"]["median"]
-      row["dispatch_vs_adamw"] = row["dispatch_ms"]["median"] / base["dispatch_ms"]["median"]
+      for k in clocks:
+        row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
+      row["wall_paired_vs_adamw"] = spread([a / b for a, b in zip(row["wall_ms"]["rounds"],
+                                                                   base["wall_ms"]["rounds"])])
   return rows
 
 
@@ -259,17 +290,21 @@ def table(rows):
              ("dtype", -5, lambda r: r["dtype"]), ("step", -30, lambda r: r["label"]),
              ("wall ms (spread)", 22, ms("wall_ms")),
              ("vs adamw", 8, lambda r: (r.get("wall_vs_adamw"), 3)),
+             ("paired", 6, lambda r: (r.get("wall_paired_vs_adamw", {}).get("median"), 3)),
              ("dispatch ms (spread)", 22, ms("dispatch_ms")),
              ("vs adamw", 8, lambda r: (r.get("dispatch_vs_adamw"), 3)),
+             ("host ms (spread)", 22, ms("host_ms")),
+             ("vs adamw", 8, lambda r: (r.get("host_vs_adamw"), 3)),
              ("device ms", 9, lambda r: (r["device_ms"], 2)),
              ("fusions", 7, lambda r: (r["hlo"]["fusions"], 0))]
   return tables.render(
       "REAL TRAINING STEP (the example's GPT: forward, backward, clip, AdamW), ms per step",
       columns, rows,
       "wall: a round's time until its last step's results are ready, per step; dispatch: the "
-      "host's time inside the calls, per step; medians over interleaved rounds, (lowest-"
-      "highest round); vs adamw: over adamw alone's median (torch's rows: over torch's "
-      "AdamW alone); device: the GPU's busy time (profiler).")
+      "host's time inside the calls, per step; host: the same with the GPU idle before "
+      "each call; medians over interleaved rounds, (lowest-highest round); vs adamw: over "
+      "adamw alone's median (torch's rows: over torch's AdamW alone); paired: the median "
+      "of the rounds' own wall ratios; device: the GPU's busy time (profiler).")
 
 
 def main(argv=None):

@@ -202,8 +202,11 @@ def test_bench_train_step_quick(tmp_path):
     wall, dispatch = row["wall_ms"], row["dispatch_ms"]
     assert all(0 < d <= w for d, w in zip(dispatch["rounds"], wall["rounds"]))
     assert wall["min"] <= wall["median"] <= wall["max"]
+    assert len(row["host_ms"]["rounds"]) == len(wall["rounds"]) and row["host_ms"]["min"] > 0
     alone = find(rows, dtype=row["dtype"], variant="none")
     assert row["wall_vs_adamw"] == pytest.approx(wall["median"] / alone["wall_ms"]["median"])
+    paired = [w / a for w, a in zip(wall["rounds"], alone["wall_ms"]["rounds"])]
+    assert row["wall_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
     assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
     if row["variant"].startswith("andrea"):
       assert row["global_norm"] > 0

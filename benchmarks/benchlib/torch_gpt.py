@@ -107,12 +107,15 @@ class TorchRunner:
     self.compile_s, self.hlo = None, {"fusions": None}
     self.run(2)  # warm-up: cuBLAS's and the allocator's first calls
 
-  def run(self, steps):
-    """(wall seconds, dispatch seconds) of `steps` steps."""
+  def run(self, steps, drained=False):
+    """(wall seconds, dispatch seconds) of `steps` steps; `drained`: each started once the
+    GPU has finished the one before."""
     self.torch.cuda.synchronize()
     dispatch = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
+      if drained:
+        self.torch.cuda.synchronize()
       t = time.perf_counter()
       self.step(self.tokens)
       dispatch += time.perf_counter() - t
