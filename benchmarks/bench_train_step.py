@@ -10,7 +10,8 @@ hits each alike), and each is read on four clocks:
   - dispatch per step: the host's time inside the jitted calls (until each call returns);
     where the GPU sets the pace this includes the wait for a free slot in the queue;
   - host per step: the same, for --host-steps more steps per round, each called with the
-    GPU idle and nothing queued, so no wait is in it: the host's own cost of a step;
+    GPU idle and nothing queued, so that no wait for the queue is in it (a call that finds
+    the GPU idle may pay a start of its own: compare it within a case);
   - device per step: the GPU's busy time, from a profiled round (benchlib.profiling).
 The tables give the median over rounds and the spread (lowest to highest round), each
 variant against adamw alone as a ratio of medians ("vs") and as the median of the
@@ -112,6 +113,8 @@ def parse_args(argv=None):
   if args.quick:
     args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 2
     args.host_steps = 2
+  if min(args.steps, args.rounds, args.host_steps) < 1:
+    p.error("--steps, --rounds and --host-steps must be at least 1")
   args.variants = choices(p, "--variants", args.variants, LABELS)
   args.cases = [parse_case(p, c) for c in args.cases.split(",") if c.strip()]
   return args
