@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchlib import profiling, tables
+from benchlib import profiling, tables, timing
 from benchlib.cli import Log, choices
 from benchlib.torch_baseline import import_torch
 from benchlib.torch_gpt import TorchRunner
@@ -179,19 +179,11 @@ class Runner:
     self.run(2)  # warm-up: the first calls after a compile are slower
 
   def run(self, steps, drained=False):
-    """(wall seconds, dispatch seconds) of `steps` steps; `drained`: each called once the
-    step before it has finished."""
-    jax.block_until_ready(self.state)
-    dispatch = 0.0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      if drained:
-        jax.block_until_ready(self.state)
-      t = time.perf_counter()
+    """(wall seconds, dispatch seconds) of `steps` steps (`timing.timed_steps`)."""
+    def step():
       self.state = self.fn(*self.state, self.tokens)
-      dispatch += time.perf_counter() - t
-    jax.block_until_ready(self.state)
-    return time.perf_counter() - t0, dispatch
+
+    return timing.timed_steps(lambda: jax.block_until_ready(self.state), step, steps, drained)
 
   def clip_facts(self):
     found = [s for s in jax.tree.leaves(self.state[1], is_leaf=lambda x: isinstance(
@@ -206,7 +198,8 @@ def spread(values_ms):
 
 
 def timed_round(order, args):
-  """{variant: (wall, dispatch, host) seconds} of one round, the collector off."""
+  """{variant: {clock: ms per step}} of one round (wall, dispatch, host), the collector
+  off."""
   gc.collect()
   gc.disable()
   try:
@@ -214,7 +207,9 @@ def timed_round(order, args):
     for runner in order:
       wall, dispatch = runner.run(args.steps)
       _, host = runner.run(args.host_steps, drained=True)
-      out[runner.variant] = (wall, dispatch, host)
+      out[runner.variant] = {"wall": wall / args.steps * 1e3,
+                             "dispatch": dispatch / args.steps * 1e3,
+                             "host": host / args.host_steps * 1e3}
     return out
   finally:
     gc.enable()
@@ -257,10 +252,9 @@ def bench_case(name, batch, dtype, args, torch):
   clocks = {k: {r.variant: [] for r in runners} for k in ("wall", "dispatch", "host")}
   for r in range(args.rounds):
     order = runners[r % len(runners):] + runners[:r % len(runners)]
-    for variant, (w, d, h) in timed_round(order, args).items():
-      clocks["wall"][variant].append(w / args.steps * 1e3)
-      clocks["dispatch"][variant].append(d / args.steps * 1e3)
-      clocks["host"][variant].append(h / args.host_steps * 1e3)
+    for variant, per_step_ms in timed_round(order, args).items():
+      for clock, ms in per_step_ms.items():
+        clocks[clock][variant].append(ms)
   rows = []
   for runner in runners:
     device_ms, events_ms = (None, {}) if args.no_profile else profile(

@@ -63,6 +63,24 @@ def regime_holds(regime, trees, norm0, reps_done, rotation=1):
   return all((n > next_max) if regime == "clip" else (n <= next_max) for n in norms)
 
 
+def timed_steps(sync, step, steps, drained=False):
+  """(wall seconds, dispatch seconds) of `steps` calls of `step()`: wall from the first call
+  until `sync()` (which waits for the device) returns after the last, dispatch the time
+  inside the calls. `drained`: `sync()` before every call too, so that each finds the
+  device idle and nothing queued."""
+  sync()
+  dispatch = 0.0
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    if drained:
+      sync()
+    t = time.perf_counter()
+    step()
+    dispatch += time.perf_counter() - t
+  sync()
+  return time.perf_counter() - t0, dispatch
+
+
 def seconds_per_call(fresh, call, calls, repeats, profile=True):
   """Times `repeats` rounds of `calls` calls after a warm-up round, then, if `profile` and
   the backend is not the CPU, one round of PROFILED_CALLS calls under the profiler.

@@ -12,7 +12,8 @@ runs `attention="xla"`)."""
 from __future__ import annotations
 
 import math
-import time
+
+from benchlib.timing import timed_steps
 
 
 def build_gpt(torch, cfg, device):
@@ -108,19 +109,9 @@ class TorchRunner:
     self.run(2)  # warm-up: cuBLAS's and the allocator's first calls
 
   def run(self, steps, drained=False):
-    """(wall seconds, dispatch seconds) of `steps` steps; `drained`: each started once the
-    GPU has finished the one before."""
-    self.torch.cuda.synchronize()
-    dispatch = 0.0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      if drained:
-        self.torch.cuda.synchronize()
-      t = time.perf_counter()
-      self.step(self.tokens)
-      dispatch += time.perf_counter() - t
-    self.torch.cuda.synchronize()
-    return time.perf_counter() - t0, dispatch
+    """(wall seconds, dispatch seconds) of `steps` steps (`timing.timed_steps`)."""
+    return timed_steps(self.torch.cuda.synchronize, lambda: self.step(self.tokens), steps,
+                       drained)
 
   def clip_facts(self):
     return {}
