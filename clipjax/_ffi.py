@@ -10,9 +10,14 @@ Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.interpreters import batching, mlir
 
 from clipjax import _jax_impl, _native, _options
 
@@ -93,8 +98,11 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
   """
   n = len(leaves)
   shape = (n,)
+  # factors[2i] is leaf i's scale, factors[2i + 1] its shift: one dimension, so that its
+  # layout is the only one there is (the call constrains none, see `_scale_p`).
   factors = jnp.stack([jnp.broadcast_to(jnp.asarray(scale, jnp.float32), shape),
-                       jnp.broadcast_to(jnp.asarray(shift, jnp.float32), shape)], axis=1)
+                       jnp.broadcast_to(jnp.asarray(shift, jnp.float32), shape)],
+                      axis=1).reshape(2 * n)
   actions = jnp.where(jnp.broadcast_to(zero_fill, shape), ACTIONS["zero_fill"],
                       jnp.where(jnp.broadcast_to(keep, shape), ACTIONS["keep"],
                                 ACTIONS["multiply"])).astype(jnp.int32)
@@ -102,10 +110,51 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
   for first in range(0, n, MAX_LEAVES_PER_CALL):
     part = leaves[first:first + MAX_LEAVES_PER_CALL]
     m = len(part)
-    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in part]
-    out_types.append(jax.ShapeDtypeStruct((_native.layout().scale_workspace_bytes(m),), jnp.uint8))
-    call = jax.ffi.ffi_call(SCALE_TARGET, out_types,
-                            input_output_aliases={i + 2: i for i in range(m)},
-                            vmap_method="sequential")
-    out += call(factors[first:first + m], actions[first:first + m], *part)[:m]
+    out += _scale_p.bind(factors[2 * first:2 * (first + m)], actions[first:first + m], *part,
+                         workspace_bytes=_native.layout().scale_workspace_bytes(m))[:m]
   return out
+
+
+# The scale call is a primitive of clipjax's own, not `jax.ffi.ffi_call`, so that it
+# constrains no layout. XLA copies every aliased operand of a custom call that constrains
+# its layouts before it assigns layouts, and removes the copies only passes later: at
+# 20,000 leaves, 20,000 copies that each of those passes walks, and a check in the fusion
+# pass that costs O(m^2) per copy of a call of m leaves. The call needs no layout: its
+# kernel is elementwise, so any layout of a leaf is right (its result is the same buffer),
+# and its other operands have one dimension.
+_scale_p = jax.extend.core.Primitive(SCALE_TARGET)
+_scale_p.multiple_results = True
+
+
+@_scale_p.def_abstract_eval
+def _scale_abstract_eval(factors, actions, *leaves, workspace_bytes):
+  del factors
+  workspace = actions.update(shape=(workspace_bytes,), dtype=jnp.dtype(jnp.uint8),
+                             weak_type=False)
+  return (*leaves, workspace)
+
+
+def _scale_lowering(ctx, factors, actions, *leaves, workspace_bytes):
+  del workspace_bytes  # in the result's type
+  rule = jax.ffi.ffi_lowering(SCALE_TARGET, skip_ffi_layout_processing=True,
+                              operand_output_aliases={i + 2: i for i in range(len(leaves))})
+  return rule(ctx, factors, actions, *leaves)
+
+
+def _scale_batched(args, dims, *, workspace_bytes):
+  """Under `jax.vmap`: one call per batch element, in sequence."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  args = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+          for x, d in zip(args, dims)]
+  outs = lax.map(lambda xs: _scale_p.bind(*xs, workspace_bytes=workspace_bytes), args)
+  return outs, [0] * len(outs)
+
+
+@functools.cache
+def _scale_jitted(workspace_bytes):
+  return jax.jit(lambda *args: _scale_p.bind(*args, workspace_bytes=workspace_bytes))
+
+
+_scale_p.def_impl(lambda *args, workspace_bytes: _scale_jitted(workspace_bytes)(*args))
+mlir.register_lowering(_scale_p, _scale_lowering)
+batching.primitive_batchers[_scale_p] = _scale_batched

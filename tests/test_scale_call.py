@@ -106,3 +106,23 @@ def test_nan_and_inf_pass_through_a_multiply_and_vanish_in_a_zero_fill():
 
 def test_no_leaves():
   assert _ffi.scale_call(F32(0.5), 0, False, False, []) == []
+
+
+def test_the_call_constrains_no_layout():
+  """XLA copies every aliased operand of a custom call that constrains its layouts before
+  it assigns layouts, and removes the copies only passes later (20,000 of them, each
+  walked by those passes, at 20,000 leaves). The scale call constrains none: its kernel is
+  elementwise, so any layout of a leaf is right, and its other operands have one
+  dimension."""
+  leaves = [jnp.full((2, 40 + i), i, F32) for i in range(_ffi.MAX_LEAVES_PER_CALL + 3)]
+  fn = jax.jit(lambda ls: _ffi.scale_call(F32(0.5), 0, False, False, ls), donate_argnums=0)
+  lowered = fn.lower(leaves)
+  calls = [line for line in lowered.as_text().splitlines() if "@clipjax_andrea_scale" in line]
+  assert len(calls) == 2
+  assert not any("operand_layouts" in line or "result_layouts" in line for line in calls)
+  assert all("output_operand_aliases" in line for line in calls)
+  compiled = [line for line in lowered.compile().as_text().splitlines()
+              if 'custom_call_target="clipjax_andrea_scale"' in line]
+  assert len(compiled) == 2 and not any("operand_layout_constraints" in c for c in compiled)
+  for i, got in enumerate(fn(leaves)):
+    np.testing.assert_array_equal(np.asarray(got), np.full((2, 40 + i), 0.5 * i, np.float32))
