@@ -98,11 +98,8 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
   """
   n = len(leaves)
   shape = (n,)
-  # factors[2i] is leaf i's scale, factors[2i + 1] its shift: one dimension, so that its
-  # layout is the only one there is (the call constrains none, see `_scale_p`).
   factors = jnp.stack([jnp.broadcast_to(jnp.asarray(scale, jnp.float32), shape),
-                       jnp.broadcast_to(jnp.asarray(shift, jnp.float32), shape)],
-                      axis=1).reshape(2 * n)
+                       jnp.broadcast_to(jnp.asarray(shift, jnp.float32), shape)], axis=1)
   actions = jnp.where(jnp.broadcast_to(zero_fill, shape), ACTIONS["zero_fill"],
                       jnp.where(jnp.broadcast_to(keep, shape), ACTIONS["keep"],
                                 ACTIONS["multiply"])).astype(jnp.int32)
@@ -110,8 +107,10 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
   for first in range(0, n, MAX_LEAVES_PER_CALL):
     part = leaves[first:first + MAX_LEAVES_PER_CALL]
     m = len(part)
-    out += _scale_p.bind(factors[2 * first:2 * (first + m)], actions[first:first + m], *part,
-                         workspace_bytes=_native.layout().scale_workspace_bytes(m))[:m]
+    # A call's factors as one dimension (scale, shift, scale, ...), so that their layout is
+    # the only one there is: the call constrains none (see `_scale_p`).
+    out += _scale_p.bind(factors[first:first + m].reshape(2 * m), actions[first:first + m],
+                         *part, workspace_bytes=_native.layout().scale_workspace_bytes(m))[:m]
   return out
 
 
