@@ -138,9 +138,11 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   return ffi::Error::Success();
 }
 
-// `clipjax_andrea_scale`. Operands: factors f32[n, 2] (scale, shift), actions s32[n],
-// leaf_0 ... leaf_{n-1}. Results: leaf_0 ... leaf_{n-1} (aliased to the operands), then
-// workspace u8[>= ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
+// `clipjax_andrea_scale`. Operands: factors f32[2n] (leaf i's scale, then its shift),
+// actions s32[n], leaf_0 ... leaf_{n-1}. Results: leaf_0 ... leaf_{n-1} (aliased to the
+// operands), then workspace u8[>= ScaleWorkspaceBytes(n)] for the per-leaf LeafScale table.
+// The call constrains no layout: the leaves may come in any (the kernel is elementwise),
+// and every other buffer has one dimension.
 inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyBuffer& actions,
                                   const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                                   std::vector<LeafDesc>* leaves, ScaleCall* call) {
@@ -148,7 +150,7 @@ inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyB
   if (factors.element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(factors.element_count()) != 2 * n) {
     return ffi::Error::InvalidArgument("clipjax: the factors operand must be float32[" +
-                                       std::to_string(n) + ", 2] for " + std::to_string(n) +
+                                       std::to_string(2 * n) + "] for " + std::to_string(n) +
                                        " leaves");
   }
   if (actions.element_type() != ffi::DataType::S32 ||
