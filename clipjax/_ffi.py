@@ -140,12 +140,19 @@ def _scale_lowering(ctx, factors, actions, *leaves, workspace_bytes):
   return rule(ctx, factors, actions, *leaves)
 
 
+def in_sequence(fn, args, axes):
+  """`fn(*args)` under `jax.vmap` as the custom calls run there: once per batch element, in
+  sequence. `axes` gives each argument's batch axis, or None for an argument that is not
+  batched (it is broadcast). Returns fn's outputs, each batched on axis 0."""
+  size = next(x.shape[a] for x, a in zip(args, axes) if a is not None)
+  args = [jnp.broadcast_to(x, (size, *x.shape)) if a is None else jnp.moveaxis(x, a, 0)
+          for x, a in zip(args, axes)]
+  return lax.map(lambda xs: fn(*xs), args)
+
+
 def _scale_batched(args, dims, *, workspace_bytes):
-  """Under `jax.vmap`: one call per batch element, in sequence."""
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  args = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-          for x, d in zip(args, dims)]
-  outs = lax.map(lambda xs: _scale_p.bind(*xs, workspace_bytes=workspace_bytes), args)
+  outs = in_sequence(functools.partial(_scale_p.bind, workspace_bytes=workspace_bytes),
+                     args, dims)
   return outs, [0] * len(outs)
 
 

@@ -142,9 +142,10 @@ def _batchable(mode, on_nonfinite, scale_by, ranks):
 
   @call.def_vmap
   def _(axis_size, in_batched, max_norm, leaves):
-    broadcast = lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-    args = jax.tree.map(broadcast, (max_norm, leaves), tuple(in_batched))
-    outs = lax.map(lambda xs: call(*xs), args)
+    del axis_size
+    args, treedef = jax.tree.flatten((max_norm, leaves))
+    axes = [0 if batched else None for batched in jax.tree.leaves(tuple(in_batched))]
+    outs = _ffi.in_sequence(lambda *xs: call(*jax.tree.unflatten(treedef, xs)), args, axes)
     return outs, (True,) * len(outs)
 
   return call
