@@ -15,8 +15,8 @@ shards:
 The squares are summed at three scales at once, as the pure-JAX path sums a leaf's
 elements (`_jax_impl.scaled_squares`, `pick_norm`), so none overflows or underflows, and
 a norm above the float range keeps its scale (root * 2**exponent) though it reads as inf.
-Only a few floats per leaf cross devices: one psum of three per leaf and group (a group
-holds at most `_ffi.MAX_LEAVES_PER_CALL` leaves, the most one custom call takes).
+Only a few floats per leaf cross devices: one psum per set of axes, of three floats per
+leaf and per norm call in the set (a call takes at most `_ffi.MAX_LEAVES_PER_CALL` leaves).
 """
 
 from __future__ import annotations
@@ -90,23 +90,24 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
+  # Every call's norms = [norm of this device's shards in the call, then one per leaf],
+  # laid end to end per set of axes: one frexp or all-reduce per set, and a few slices per
+  # set, not per call or per leaf (each a kernel of its own, which XLA:CPU compiles apart:
+  # at 20,000 leaves a slice per leaf cost 16 s of compile time, and four per call about
+  # 2.5 s).
   step = _ffi.MAX_LEAVES_PER_CALL
-  groups = [members[k:k + step] for members in by_axes.values()
-            for k in range(0, len(members), step)]
-  group_roots, group_exps, leaf_roots, leaf_exps = [], [], [], []
-  for members in groups:
-    # norms = [norm of this device's shards in the group, then one per leaf].
-    _, norms, _ = _norms(impl, max_norm, [norm_inputs[i] for i in members], mode)
-    roots, exps = _whole_leaf_norms(norms, leaf_axes[members[0]])
-    group_roots.append(roots[0])
-    group_exps.append(exps[0])
-    leaf_roots.append(roots[1:])
-    leaf_exps.append(exps[1:])
-  root, exp = _norm_of_norms(jnp.stack(group_roots), jnp.stack(group_exps))
-  # The leaves' norms in group order, then in the tree's: whole arrays, not one scalar per
-  # leaf (at 20,000 leaves, a slice per leaf cost XLA:CPU 16 s of compile time).
+  call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
+  for members in by_axes.values():
+    norms = [_norms(impl, max_norm, [norm_inputs[i] for i in members[k:k + step]], mode)[1]
+             for k in range(0, len(members), step)]
+    roots, exps = _whole_leaf_norms(jnp.concatenate(norms), leaf_axes[members[0]])
+    for x, calls, leaves in ((roots, call_roots, leaf_roots), (exps, call_exps, leaf_exps)):
+      of_calls, of_leaves = _split_calls(x, len(members), step)
+      calls.append(of_calls)
+      leaves.append(of_leaves)
+  root, exp = _norm_of_norms(jnp.concatenate(call_roots), jnp.concatenate(call_exps))
   leaf_roots, leaf_exps = jnp.concatenate(leaf_roots), jnp.concatenate(leaf_exps)
-  order = [i for members in groups for i in members]
+  order = [i for members in by_axes.values() for i in members]
   if order != sorted(order):
     inverse = np.argsort(order)
     leaf_roots, leaf_exps = leaf_roots[inverse], leaf_exps[inverse]
@@ -116,6 +117,18 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   return _jax_impl.decide_and_scale(max_norm, shards, root, exp, leaf_roots,
                                     leaf_exps, mode=mode, on_nonfinite=on_nonfinite,
                                     scale_leaves=scale_by is not None, scale_fn=scale_fn)
+
+
+def _split_calls(x, num_leaves, step):
+  """(one value per call, one per leaf) from the norm calls' outputs laid end to end: calls
+  of `step` leaves, the last of what is left, each [call's value, then its leaves']. Static
+  slices and reshapes only: a gather would need its indices as a constant, which the
+  function that `custom_partitioning` traces may not hold."""
+  full = num_leaves // step
+  whole = x[:full * (step + 1)].reshape(full, step + 1)
+  rest = x[full * (step + 1):]  # the last call's, if it is short: empty or 1 + its leaves
+  return (jnp.concatenate([whole[:, 0], rest[:1]]),
+          jnp.concatenate([whole[:, 1:].reshape(-1), rest[1:]]))
 
 
 def _norms(impl, max_norm, leaves, mode):

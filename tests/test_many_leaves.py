@@ -96,3 +96,22 @@ def test_vmap_clips_each_tree_on_its_own():
     assert bool(got.clipped[i]) == (norm > 1.0)
     for k, x in one.items():
       _assert_clipped_by(got.updates[k][i], x, norm, f"{k}, tree {i}")
+
+
+def _kernels_between_calls(calls, mode):
+  """The fusions XLA compiles the clip of a tree of `calls` norm calls' worth into."""
+  rng = np.random.default_rng(3)
+  tree = [jax.device_put(rng.standard_normal(int(rng.integers(1, 40))).astype(np.float32))
+          for _ in range((calls - 1) * _ffi.MAX_LEAVES_PER_CALL + 3)]
+  hlo = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi", mode=mode)).lower(tree)
+  entry = hlo.compile().as_text().split("\nENTRY", 1)[1]
+  return entry.count(" fusion(")
+
+
+def test_the_decision_between_calls_compiles_to_kernels_that_do_not_grow_with_the_calls():
+  """The calls' norms are laid end to end and read whole: no kernel per call (XLA:CPU
+  compiles each kernel on its own; four per call cost about 2.5 s at 20,000 leaves). Per tensor,
+  each scale call reads its own slice of the factors and actions: two per call."""
+  assert _kernels_between_calls(9, "global") == _kernels_between_calls(5, "global")
+  assert (_kernels_between_calls(9, "per_tensor")
+          <= _kernels_between_calls(5, "per_tensor") + 2 * 4)
