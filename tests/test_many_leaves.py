@@ -114,4 +114,4 @@ def test_the_decision_between_calls_compiles_to_kernels_that_do_not_grow_with_th
   each scale call reads its own slice of the factors and actions: two per call."""
   assert _kernels_between_calls(9, "global") == _kernels_between_calls(5, "global")
   assert (_kernels_between_calls(9, "per_tensor")
-          <= _kernels_between_calls(5, "per_tensor") + 2 * 4)
+          <= _kernels_between_calls(5, "per_tensor") + 2 * (9 - 5))
