@@ -9,14 +9,15 @@ hits each alike), and each is read on four clocks:
     over the steps;
   - dispatch per step: the host's time inside the jitted calls (until each call returns);
     where the GPU sets the pace this includes the wait for a free slot in the queue;
-  - host per step: the same, for --host-steps more steps per round, each called with the
-    GPU idle and nothing queued, so that no wait for the queue is in it (a call that finds
-    the GPU idle may pay a start of its own: compare it within a case);
+  - host per step: the host's time inside one call, for --host-steps more steps per round,
+    each called with the GPU idle and nothing queued, so that no wait for the queue is in
+    it; a round gives the median of its calls (a call that finds the GPU idle may pay a
+    start of its own: compare it within a case);
   - device per step: the GPU's busy time, from a profiled round (benchlib.profiling).
 The tables give the median over rounds and the spread (lowest to highest round), each
 variant against adamw alone as a ratio of medians ("vs") and as the median of the
-rounds' own ratios ("paired": each round's wall time over adamw alone's in the same
-round, so that drift between rounds cancels). Python's garbage collector is off while a
+rounds' own ratios ("paired": each round's wall or host time over adamw alone's in the
+same round, so that drift between rounds cancels). Python's garbage collector is off while a
 round is timed.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
@@ -98,7 +99,7 @@ def parse_args(argv=None):
   p.add_argument("--context-length", type=int, default=1024)
   p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
   p.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-  p.add_argument("--host-steps", type=int, default=5,
+  p.add_argument("--host-steps", type=int, default=20,
                  help="steps per variant per round timed with the GPU idle (host per step)")
   p.add_argument("--no-profile", action="store_true", help="skip the profiled round")
   p.add_argument("--trace-dir", default=None,
@@ -179,7 +180,7 @@ class Runner:
     self.run(2)  # warm-up: the first calls after a compile are slower
 
   def run(self, steps, drained=False):
-    """(wall seconds, dispatch seconds) of `steps` steps (`timing.timed_steps`)."""
+    """(wall seconds, [seconds inside each call]) of `steps` steps (`timing.timed_steps`)."""
     def step():
       self.state = self.fn(*self.state, self.tokens)
 
@@ -198,8 +199,9 @@ def spread(values_ms):
 
 
 def timed_round(order, args):
-  """{variant: {clock: ms per step}} of one round (wall, dispatch, host), the collector
-  off."""
+  """{variant: {clock: ms per step}} of one round, the collector off: wall and dispatch per
+  step over the round's steps, host the median of its drained calls (one call that the OS
+  interrupts does not move it)."""
   gc.collect()
   gc.disable()
   try:
@@ -208,8 +210,8 @@ def timed_round(order, args):
       wall, dispatch = runner.run(args.steps)
       _, host = runner.run(args.host_steps, drained=True)
       out[runner.variant] = {"wall": wall / args.steps * 1e3,
-                             "dispatch": dispatch / args.steps * 1e3,
-                             "host": host / args.host_steps * 1e3}
+                             "dispatch": sum(dispatch) / args.steps * 1e3,
+                             "host": statistics.median(host) * 1e3}
     return out
   finally:
     gc.enable()
@@ -274,8 +276,9 @@ def bench_case(name, batch, dtype, args, torch):
     if base:
       for k in clocks:
         row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
-      row["wall_paired_vs_adamw"] = spread([a / b for a, b in zip(row["wall_ms"]["rounds"],
-                                                                   base["wall_ms"]["rounds"])])
+      for k in ("wall", "host"):
+        row[f"{k}_paired_vs_adamw"] = spread([a / b for a, b in zip(row[f"{k}_ms"]["rounds"],
+                                                                     base[f"{k}_ms"]["rounds"])])
   return rows
 
 
@@ -292,16 +295,17 @@ def table(rows):
              ("vs adamw", 8, lambda r: (r.get("dispatch_vs_adamw"), 3)),
              ("host ms (spread)", 22, ms("host_ms")),
              ("vs adamw", 8, lambda r: (r.get("host_vs_adamw"), 3)),
+             ("paired", 6, lambda r: (r.get("host_paired_vs_adamw", {}).get("median"), 3)),
              ("device ms", 9, lambda r: (r["device_ms"], 2)),
              ("fusions", 7, lambda r: (r["hlo"]["fusions"], 0))]
   return tables.render(
       "REAL TRAINING STEP (the example's GPT: forward, backward, clip, AdamW), ms per step",
       columns, rows,
       "wall: a round's time until its last step's results are ready, per step; dispatch: the "
-      "host's time inside the calls, per step; host: the same with the GPU idle before "
-      "each call; medians over interleaved rounds, (lowest-highest round); vs adamw: over "
+      "host's time inside the calls, per step; host: the median call of a round's "
+      "calls made with the GPU idle; medians over interleaved rounds, (lowest-highest round); vs adamw: over "
       "adamw alone's median (torch's rows: over torch's AdamW alone); paired: the median "
-      "of the rounds' own wall ratios; device: the GPU's busy time (profiler).")
+      "of the rounds' own ratios to adamw alone (wall, host); device: the GPU's busy time (profiler).")
 
 
 def main(argv=None):

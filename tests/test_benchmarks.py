@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from types import SimpleNamespace as NS
 
 import pytest
@@ -207,6 +208,8 @@ def test_bench_train_step_quick(tmp_path):
     assert row["wall_vs_adamw"] == pytest.approx(wall["median"] / alone["wall_ms"]["median"])
     paired = [w / a for w, a in zip(wall["rounds"], alone["wall_ms"]["rounds"])]
     assert row["wall_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
+    paired = [h / a for h, a in zip(row["host_ms"]["rounds"], alone["host_ms"]["rounds"])]
+    assert row["host_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
     assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
     if row["variant"].startswith("andrea"):
       assert row["global_norm"] > 0
@@ -249,6 +252,17 @@ def test_torch_gpt_is_the_example_model():
   torch_gpt.make_step(torch, torch_model, clip_norm=1.0, learning_rate=1e-3, weight_decay=0.1,
                       autocast=False)(torch.as_tensor(tokens))
   assert all(not torch.equal(b, p) for b, p in zip(before, torch_model.parameters()))
+
+
+@pytest.mark.parametrize("drained", [False, True])
+def test_timed_steps_times_each_call_and_drains_before_each_when_asked(drained):
+  events = []
+  sync = lambda: events.append("sync")  # noqa: E731
+  step = lambda: (events.append("step"), time.sleep(0.002))  # noqa: E731
+  wall, inside = timing.timed_steps(sync, step, 3, drained=drained)
+  assert len(inside) == 3 and all(t >= 0.002 for t in inside) and wall >= sum(inside)
+  body = ["sync", "step"] * 3 if drained else ["step"] * 3
+  assert events == ["sync", *body, "sync"]
 
 
 def test_busy_seconds_is_the_union_of_stream_activity():

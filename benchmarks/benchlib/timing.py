@@ -64,21 +64,20 @@ def regime_holds(regime, trees, norm0, reps_done, rotation=1):
 
 
 def timed_steps(sync, step, steps, drained=False):
-  """(wall seconds, dispatch seconds) of `steps` calls of `step()`: wall from the first call
-  until `sync()` (which waits for the device) returns after the last, dispatch the time
-  inside the calls. `drained`: `sync()` before every call too, so that each finds the
-  device idle and nothing queued."""
+  """(wall seconds, [seconds inside each call]) of `steps` calls of `step()`: wall from the
+  first call until `sync()` (which waits for the device) returns after the last. `drained`:
+  `sync()` before every call too, so that each finds the device idle and nothing queued."""
   sync()
-  dispatch = 0.0
+  inside = []
   t0 = time.perf_counter()
   for _ in range(steps):
     if drained:
       sync()
     t = time.perf_counter()
     step()
-    dispatch += time.perf_counter() - t
+    inside.append(time.perf_counter() - t)
   sync()
-  return time.perf_counter() - t0, dispatch
+  return time.perf_counter() - t0, inside
 
 
 def seconds_per_call(fresh, call, calls, repeats, profile=True):

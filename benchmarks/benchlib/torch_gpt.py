@@ -109,7 +109,7 @@ class TorchRunner:
     self.run(2)  # warm-up: cuBLAS's and the allocator's first calls
 
   def run(self, steps, drained=False):
-    """(wall seconds, dispatch seconds) of `steps` steps (`timing.timed_steps`)."""
+    """(wall seconds, [seconds inside each call]) of `steps` steps (`timing.timed_steps`)."""
     return timed_steps(self.torch.cuda.synchronize, lambda: self.step(self.tokens), steps,
                        drained)
 
