@@ -17,8 +17,8 @@ hits each alike), and each is read on four clocks:
 The tables give the median over rounds and the spread (lowest to highest round), each
 variant against adamw alone as a ratio of medians ("vs") and as the median of the
 rounds' own ratios ("paired": each round's wall or host time over adamw alone's in the
-same round, so that drift between rounds cancels). Python's garbage collector is off while a
-round is timed.
+same round, so that drift between rounds cancels). Python's garbage collector is off while
+a round is timed.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.
@@ -303,9 +303,10 @@ def table(rows):
       columns, rows,
       "wall: a round's time until its last step's results are ready, per step; dispatch: the "
       "host's time inside the calls, per step; host: the median call of a round's "
-      "calls made with the GPU idle; medians over interleaved rounds, (lowest-highest round); vs adamw: over "
-      "adamw alone's median (torch's rows: over torch's AdamW alone); paired: the median "
-      "of the rounds' own ratios to adamw alone (wall, host); device: the GPU's busy time (profiler).")
+      "calls made with the GPU idle; medians over interleaved rounds, (lowest-highest "
+      "round); vs adamw: over adamw alone's median (torch's rows: over torch's AdamW "
+      "alone); paired: the median of the rounds' own ratios to adamw alone (wall, host); "
+      "device: the GPU's busy time (profiler).")
 
 
 def main(argv=None):
