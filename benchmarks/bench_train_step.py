@@ -17,8 +17,9 @@ hits each alike), and each is read on four clocks:
 The tables give the median over rounds and the spread (lowest to highest round), each
 variant against adamw alone as a ratio of medians ("vs") and as the median of the
 rounds' own ratios ("paired": each round's wall or host time over adamw alone's in the
-same round, so that drift between rounds cancels). Python's garbage collector is off while
-a round is timed.
+same round, so that drift between rounds cancels). adamw alone compiled a second time
+("none_again", a control) shows how far two runs of one program differ on each clock.
+Python's garbage collector is off while a round is timed.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.
@@ -68,6 +69,9 @@ LEARNING_RATE, WEIGHT_DECAY, MAX_NORM = 1e-5, 0.1, 1.0
 # The clip ahead of adamw, by variant: max_norm -> GradientTransformation (None: no clip).
 VARIANTS = {
     "none": ("adamw alone", None),
+    # The control: the same step, compiled and timed as a variant of its own. What it is
+    # off from adamw alone is what any two programs differ by on these clocks.
+    "none_again": ("adamw alone, compiled again", None),
     "andrea": ("andrea_clip + adamw", lambda m: clipjax.andrea_clip(m)),
     "andrea_kernel": ("andrea_clip(scale=kernel)", lambda m: clipjax.andrea_clip(m, scale="kernel")),
     "andrea_fused": ("andrea_clip(scale=fused)", lambda m: clipjax.andrea_clip(m, scale="fused")),
@@ -94,7 +98,8 @@ def parse_args(argv=None):
                  help="comma list of MODEL:BATCH:DTYPE (models: " +
                  ", ".join(model_lib.MODEL_CONFIGS) + "; dtypes: f32, bf16)")
   p.add_argument("--variants",
-                 default="none,andrea,andrea_kernel,andrea_jax,optax,torch_adamw,torch_clip",
+                 default="none,none_again,andrea,andrea_kernel,andrea_jax,optax,torch_adamw,"
+                 "torch_clip",
                  help="comma list of: " + ", ".join(LABELS))
   p.add_argument("--context-length", type=int, default=1024)
   p.add_argument("--steps", type=int, default=20, help="steps per variant per round")

@@ -195,7 +195,8 @@ def test_bench_pure_jax_quick(tmp_path):
 def test_bench_train_step_quick(tmp_path):
   results, stdout = run_quick("bench_train_step.py", tmp_path)
   assert results["meta"]["complete"] and "REAL TRAINING STEP" in stdout
-  rows, variants = results["rows"], ("none", "andrea", "andrea_kernel", "andrea_jax", "optax")
+  rows = results["rows"]
+  variants = ("none", "none_again", "andrea", "andrea_kernel", "andrea_jax", "optax")
   assert sorted((r["dtype"], r["variant"]) for r in rows) == sorted(
       (d, v) for d in ("f32", "bf16") for v in variants)
   assert set(results["skipped"]) == {"torch_adamw", "torch_clip"}  # torch needs a GPU
@@ -211,6 +212,8 @@ def test_bench_train_step_quick(tmp_path):
     paired = [h / a for h, a in zip(row["host_ms"]["rounds"], alone["host_ms"]["rounds"])]
     assert row["host_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
     assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
+    if row["variant"] == "none_again":  # the control: the same program, timed apart
+      assert row["hlo"] == alone["hlo"] and row["wall_ms"]["rounds"] != alone["wall_ms"]["rounds"]
     if row["variant"].startswith("andrea"):
       assert row["global_norm"] > 0
 
