@@ -42,8 +42,8 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   - "kernel": the call runs all three kernels, and `k_grad_scale` writes the clipped leaves
     over its inputs (aliased), only when it clips;
   - "fused": the call runs the two norm kernels and returns its decision as multipliers;
-    the multiply is an XLA elementwise op (`_fused_scale`) that XLA fuses into whatever
-    consumes the clipped leaves (the optimizer's update inside `optax.chain`);
+    the multiply is an XLA elementwise op (`_jax_impl.scale_by_rows`) that XLA fuses into
+    whatever consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
@@ -70,21 +70,9 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   norms, flags, multipliers, _ = outs
   if scale_by is None:
     return None, norms, flags
-  return _fused_scale(multipliers, leaves, per_tensor=mode == "per_tensor"), norms, flags
-
-
-def _fused_scale(multipliers, leaves, *, per_tensor):
-  """The leaves times the call's decision, as XLA elementwise ops that XLA fuses into the
-  leaves' consumers. Row i of `multipliers` (cuda/andrea_clip_math.h, `Multipliers`) is
-  leaf i's (scale, low, high, zero), ready for `_jax_impl.scale_leaf`: the consumer reads
-  four floats that the call wrote, with no arithmetic on them in between (no kernel of its
-  own between the call and the consumer). Every row holds the same decision in global
-  mode, which reads row 0."""
-  out = []
-  for i, x in enumerate(leaves):
-    scale, low, high, zero = (multipliers[i if per_tensor else 0, j] for j in range(4))
-    out.append(_jax_impl.scale_leaf(x, scale, low, high, zero != 0))
-  return out
+  # The consumers read the four floats the call wrote, with no arithmetic between.
+  return (_jax_impl.scale_by_rows(multipliers, leaves, per_leaf=mode == "per_tensor"),
+          norms, flags)
 
 
 def scale_call(scale, shift, keep, zero_fill, leaves):

@@ -106,10 +106,13 @@ def test_outputs_match_pure_jax_within_one_ulp_of_the_scale(name):
     ulp = float(jnp.finfo(x.dtype).eps)
     # Beyond the scales' difference: one ulp of the scale for float32 leaves; for
     # 16-bit leaves the rounding of the product to the leaf type may differ by one ulp
-    # of that type; bf16_huge_values' factor is subnormal on the GPU (about 17 bits).
+    # of that type, which below its normal range is the spacing of its subnormals (an
+    # absolute step: 2**-24 in float16); bf16_huge_values' factor is subnormal on the
+    # GPU (about 17 bits).
     rtol = norm_diff + max(2.4e-7 if math.isfinite(nb) else 1e-5, ulp)
+    atol = float(jnp.finfo(x.dtype).smallest_subnormal) if ulp > 1e-6 else 1e-30
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               rtol=rtol, atol=1e-30)
+                               rtol=rtol, atol=atol)
 
 
 def test_five_thousand_leaves_are_scaled_as_in_float64():
@@ -240,6 +243,39 @@ def test_donated_adamw_chain_step_matches_pure_jax():
   np.testing.assert_allclose(n_ffi, n_jax, rtol=1e-6)
   for x, y in zip(jax.tree.leaves(p_ffi), jax.tree.leaves(p_jax)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def _update_kernels(tx, params, shape):
+  """(all fusions, loop fusions with a result of `shape`) in the compiled step of `tx`,
+  its gradients an intermediate (a traced loss scale times the argument)."""
+  def step(p, s, g, loss_scale):
+    g = jax.tree.map(lambda x: (x * loss_scale).astype(x.dtype), g)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  hlo = jax.jit(step, donate_argnums=(0, 1)).lower(
+      params, tx.init(params), params, np.float32(1.0)).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):].splitlines()
+  fusions = [line for line in entry if " fusion(" in line]
+  result = f"bf16[{','.join(map(str, shape))}]"
+  return len(fusions), sum(1 for line in fusions if "kind=kLoop" in line
+                           and result in line.split("fusion(")[0])
+
+
+def test_pure_jax_clip_lets_xla_fuse_the_optimizers_updates_across_leaves():
+  """The pure-JAX path's decision reaches the leaves as one array: XLA still fuses AdamW's
+  updates of same-shape leaves into a kernel or a few, as for AdamW alone. (With the
+  decision's four values as four arrays, each leaf's update was a kernel of its own.)"""
+  shapes = gpt_shapes(d=384, layers=6, vocab=1000, ctx=128)
+  params = random_tree(jax.random.key(6), shapes, jnp.bfloat16, 0.02)
+  same = sum(1 for s in shapes if s == (384,))
+  adamw = optax.adamw(1e-4, weight_decay=0.1)
+  alone = _update_kernels(adamw, params, (384,))
+  clipped = _update_kernels(optax.chain(clipjax.andrea_clip(1.0, impl="jax"), adamw),
+                            params, (384,))
+  assert clipped[1] <= alone[1] + 2 and clipped[1] < same // 4, (
+      f"{same} leaves of (384,): loop fusions with such a result, adamw alone {alone[1]},"
+      f" with the clip {clipped[1]}; all fusions {alone[0]} and {clipped[0]}")
 
 
 def test_auto_lowers_to_the_custom_call_on_cuda():

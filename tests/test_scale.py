@@ -164,6 +164,22 @@ def test_fused_multiply_reads_the_calls_decision_directly(mode, spike):
     assert "[64,32]" in result_type or "[128]" in result_type, line[:300]
 
 
+@pytest.mark.parametrize("mode", ["global", "per_tensor"])
+def test_pure_jax_decision_reaches_the_leaves_as_one_array(mode):
+  """The pure-JAX path hands its decision to the leaves' consumers as the custom call does:
+  one array of rows (scale, low, high, zero) behind a barrier, no scalars of its own. On a
+  GPU, XLA fuses the optimizer's updates of same-shape leaves only then
+  (tests/test_gpu.py)."""
+  params = {"a": jnp.ones((64, 32)), "b": jnp.ones((128,)), "c": jnp.ones((128,))}
+  tx = optax.chain(clipjax.andrea_clip(1.0, impl="jax", mode=mode), optax.adamw(1e-3))
+  text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  barriers = [line.rsplit(":", 1)[1] for line in text.splitlines()
+              if "stablehlo.optimization_barrier" in line]
+  rows = "tensor<3x4xf32>" if mode == "per_tensor" else "tensor<1x4xf32>"
+  assert sum(types.strip() == rows for types in barriers) == 1, barriers
+  assert not any("tensor<f32>" in types or "tensor<i1>" in types for types in barriers), barriers
+
+
 def test_auto_is_fused_in_the_transform_and_kernel_in_clip_tree():
   from clipjax import _options
   limit = _options.FUSED_MAX_LEAVES
