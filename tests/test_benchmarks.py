@@ -191,6 +191,19 @@ def test_bench_pure_jax_quick(tmp_path):
   assert all(r["wall_us"] > 0 and r["device_us"] is None for r in rows)  # a CPU: no trace
 
 
+def test_bench_dispatch_quick(tmp_path):
+  results, stdout = run_quick("bench_dispatch.py", tmp_path)
+  assert "HOST TIME PER JITTED CALL" in stdout
+  rows = {r["layout"]: r for r in results["rows"]}
+  assert {k: r["state_arrays"] for k, r in rows.items()} == {
+      "none": 0, "one scalar": 1, "nine arrays (clipjax 0.2's state)": 9,
+      "andrea_clip's state": 2, "30 scalars": 30}
+  assert rows["none"]["paired_vs_none"] == 1 and rows["none"]["us_per_added_array"] is None
+  for row in rows.values():
+    host = row["host_us"]
+    assert len(host["rounds"]) == 3 and 0 < host["min"] <= host["median"] <= host["max"]
+
+
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_train_step_quick(tmp_path):
   results, stdout = run_quick("bench_train_step.py", tmp_path)

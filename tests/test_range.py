@@ -71,5 +71,9 @@ def test_float64_state_keeps_its_dtype_through_an_optax_chain():
     state = tx.init(params)
     updates, new_state = jax.jit(tx.update)(params, state, params)
     assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
-    assert float(clipjax.clip_state(new_state).global_norm) == 5.0
+    clip = clipjax.clip_state(new_state)
+    assert float(clip.global_norm) == 5.0 and clip.global_norm.dtype == jnp.float64
+    # The other norms are float32 whatever the tree, as the state's fields say.
+    assert clip.leaf_norms.dtype == clip.norm_mean.dtype == clip.norm_var.dtype == jnp.float32
+    assert float(clip.leaf_norms[0]) == 5.0 and bool(clip.clipped)
     np.testing.assert_allclose(np.asarray(updates["w"]), [-0.6, -0.8], rtol=1e-15)
