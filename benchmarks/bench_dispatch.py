@@ -7,9 +7,9 @@ the step rewrites:
 
   - none: no state;
   - one scalar;
-  - nine arrays, clipjax's state before 0.3 (seven scalars, bool, int32 and float32, and
-    the leaf norms);
-  - andrea_clip's state (two arrays, from `andrea_clip(1.0).init` on --leaves leaves);
+  - andrea_clip's state (`andrea_clip(1.0).init` on --leaves leaves: nine arrays, eight
+    scalars and the leaf norms);
+  - the same fields packed into two arrays (float32[3 + leaves], int32[5]);
   - 30 scalars.
 
 Each round calls every layout --calls times, each call made once the one before it has
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import clipjax
 from benchlib import tables
 
-_F32, _I32, _BOOL = jnp.float32, jnp.int32, jnp.bool_
+_F32, _I32, _BOOL = jnp.float32, jnp.int32, jnp.bool_  # the state's dtypes
 
 
 def layouts(leaves):
@@ -44,10 +44,8 @@ def layouts(leaves):
   return {
       "none": [],
       "one scalar": [((), _F32)],
-      "nine arrays (clipjax 0.2's state)": [((), _F32), ((), _BOOL), ((), _I32),
-                                            ((leaves,), _F32), ((), _F32), ((), _F32),
-                                            ((), _I32), ((), _BOOL), ((), _I32)],
       "andrea_clip's state": [(x.shape, x.dtype) for x in jax.tree.leaves(clip)],
+      "its fields in two arrays": [((3 + leaves,), _F32), ((5,), _I32)],
       "30 scalars": [((), _F32)] * 30,
   }
 

@@ -25,94 +25,29 @@ from clipjax._spike import ZScoreSpike
 class AndreaClipState(NamedTuple):
   """State of `andrea_clip`, rewritten by every update.
 
-  A jitted step pays host time for every array it passes in and out (about 3.5 us per
-  donated array on an H200 host, and more for a scalar that a kernel of its own writes:
-  docs/wall_clock.md), so the state is two arrays, and its fields are read-only views of
-  them:
-
-    global_norm: the global norm of the latest updates before clipping (so a training
-      loop can log it without computing it again); float32, or float64 for float64 params.
-    clipped: bool, whether the latest updates were scaled (or zeroed).
-    nonfinite_count: int32, how many updates so far had a NaN/inf norm.
+  Attributes:
+    global_norm: float32 scalar (float64 for float64 params), the global norm of
+      the latest updates before clipping (so a training loop can log it without
+      computing it again).
+    clipped: bool scalar, whether the latest updates were scaled (or zeroed).
+    nonfinite_count: int32 scalar, how many updates so far had a NaN/inf norm.
     leaf_norms: float32[number of leaves], each leaf's norm before clipping, in
       tree-flatten order (`named_leaf_norms` pairs them with their paths).
-    norm_mean, norm_var: float32, the running mean and variance of the global norm (with
-      `spike=ZScoreSpike(...)`; zeros without).
-    norm_count: int32, the finite steps that entered those statistics.
-    spike: bool, whether the latest step was a spike.
-    spike_count: int32, how many steps so far were spikes.
-
-  Attributes:
-    norms: the norms' dtype, [global_norm, norm_mean, norm_var, *leaf_norms].
-    counts: int32[5], [clipped, nonfinite_count, norm_count, spike, spike_count].
+    norm_mean, norm_var: float32 scalars, the running mean and variance of the
+      global norm (with `spike=ZScoreSpike(...)`; zeros without).
+    norm_count: int32 scalar, the finite steps that entered those statistics.
+    spike: bool scalar, whether the latest step was a spike.
+    spike_count: int32 scalar, how many steps so far were spikes.
   """
-  norms: jax.Array
-  counts: jax.Array
-
-  def written(self, global_norm, clipped, nonfinite_count, leaf_norms,
-              stats: _spike.SpikeStats | None) -> "AndreaClipState":
-    """This state with a step's fields written over it (and the spike policy's `stats`,
-    where there is one), in place: each array is updated where the step changes it and
-    read nowhere else, so under a donated jit it stays in its own buffer, XLA copies
-    nothing, and every address in XLA's command buffers (CUDA graphs) is the same from
-    step to step (a state array written to a new buffer each step made XLA re-record the
-    whole step's graph on the host: 1-2 ms a step on gpt120m)."""
-    dtype = self.norms.dtype
-    norms = self.norms.at[0].set(jnp.asarray(global_norm, dtype))
-    norms = norms.at[_STATE_NORMS:].set(leaf_norms.astype(dtype))
-    counts = self.counts.at[:2].set(jnp.stack([jnp.asarray(clipped, jnp.int32),
-                                               jnp.asarray(nonfinite_count, jnp.int32)]))
-    if stats is not None:
-      norms = norms.at[1:_STATE_NORMS].set(
-          jnp.stack([stats.norm_mean, stats.norm_var]).astype(dtype))
-      counts = counts.at[2:].set(jnp.stack([jnp.asarray(x, jnp.int32) for x in (
-          stats.norm_count, stats.spike, stats.spike_count)]))
-    return AndreaClipState(norms, counts)
-
-  @property
-  def global_norm(self) -> jax.Array:
-    return self.norms[0]
-
-  @property
-  def norm_mean(self) -> jax.Array:
-    return self.norms[1].astype(jnp.float32)
-
-  @property
-  def norm_var(self) -> jax.Array:
-    return self.norms[2].astype(jnp.float32)
-
-  @property
-  def leaf_norms(self) -> jax.Array:
-    return self.norms[_STATE_NORMS:].astype(jnp.float32)
-
-  @property
-  def clipped(self) -> jax.Array:
-    return self.counts[0] != 0
-
-  @property
-  def nonfinite_count(self) -> jax.Array:
-    return self.counts[1]
-
-  @property
-  def norm_count(self) -> jax.Array:
-    return self.counts[2]
-
-  @property
-  def spike(self) -> jax.Array:
-    return self.counts[3] != 0
-
-  @property
-  def spike_count(self) -> jax.Array:
-    return self.counts[4]
-
-  @property
-  def stats(self) -> _spike.SpikeStats:
-    """The spike policy's statistics and verdict, as `_spike` takes them."""
-    return _spike.SpikeStats(self.norm_mean, self.norm_var, self.norm_count, self.spike,
-                             self.spike_count)
-
-
-_STATE_NORMS = 3  # AndreaClipState.norms: the global norm, norm_mean and norm_var come first
+  global_norm: jax.Array
+  clipped: jax.Array
+  nonfinite_count: jax.Array
+  leaf_norms: jax.Array
+  norm_mean: jax.Array
+  norm_var: jax.Array
+  norm_count: jax.Array
+  spike: jax.Array
+  spike_count: jax.Array
 
 
 def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
@@ -218,12 +153,13 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   def init_fn(params):
     _, leaves, _ = _options.flatten(params)
-    return AndreaClipState(jnp.zeros((_STATE_NORMS + len(leaves),), _jax_impl.norm_dtype(leaves)),
-                           jnp.zeros((5,), jnp.int32))
+    return AndreaClipState(jnp.zeros((), _jax_impl.norm_dtype(leaves)), jnp.zeros((), bool),
+                           jnp.zeros((), jnp.int32), jnp.zeros((len(leaves),), jnp.float32),
+                           *_spike.initial_stats())
 
   def update_fn(updates, state, params=None):
     del params
-    stats = state.stats if spike is not None else None
+    stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
     if spike is None:
       run_step = run
     else:
@@ -238,10 +174,21 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
       stats = _spike.step(spike, stats, result.global_norm, result.nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
     leaf_norms = result.leaf_norms.astype(jnp.float32).reshape(state.leaf_norms.shape)
-    return result.updates, state.written(result.global_norm, result.clipped, count,
-                                         leaf_norms, stats)
+    new_state = AndreaClipState(result.global_norm.astype(state.global_norm.dtype),
+                                result.clipped, count, leaf_norms, *stats)
+    return result.updates, jax.tree.map(_over, state, new_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _over(old, new):
+  """`new`, as a value written over `old`. Every field of the state is read, so none drops
+  out of the caller's jit as unused: each donated field pairs with its own output, the
+  state keeps its buffers from step to step, and XLA copies nothing and finds every address
+  of its command buffers (CUDA graphs) unchanged, with no update. Left out, the write-only
+  fields (the norms, `clipped`) got new buffers each step and made XLA re-record the whole
+  step's graph: 1-2 ms of the host's time per step on gpt120m."""
+  return jnp.where(True, new, old)
 
 
 def named_leaf_norms(opt_state, params) -> dict:

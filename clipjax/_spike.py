@@ -61,6 +61,12 @@ class SpikeStats(NamedTuple):
   spike_count: jax.Array  # int32
 
 
+def initial_stats() -> SpikeStats:
+  # Each field a buffer of its own: a state is donated, and no buffer may be donated twice.
+  return SpikeStats(jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros((), jnp.int32),
+                    jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+
+
 def _threshold(policy: ZScoreSpike, stats: SpikeStats):
   """(warm, threshold): whether the warmup is over, and the spike threshold
   mean + z * sqrt(var)."""

@@ -196,8 +196,8 @@ def test_bench_dispatch_quick(tmp_path):
   assert "HOST TIME PER JITTED CALL" in stdout
   rows = {r["layout"]: r for r in results["rows"]}
   assert {k: r["state_arrays"] for k, r in rows.items()} == {
-      "none": 0, "one scalar": 1, "nine arrays (clipjax 0.2's state)": 9,
-      "andrea_clip's state": 2, "30 scalars": 30}
+      "none": 0, "one scalar": 1, "andrea_clip's state": 9, "its fields in two arrays": 2,
+      "30 scalars": 30}
   assert rows["none"]["paired_vs_none"] == 1 and rows["none"]["us_per_added_array"] is None
   for row in rows.values():
     host = row["host_us"]
