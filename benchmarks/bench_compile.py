@@ -192,10 +192,7 @@ def main(argv=None):
                 ("met", -4, lambda r: "yes" if r["met"] else "NO")],
       checks, "ratio: of compile times or of peak resident memory, the median over the "
               "rounds (each round's in `rounds`)"))
-  results = {"meta": tables.run_metadata(args), "rows": rows, "goals": checks}
-  out = args.out or tables.default_out_path("bench_compile", results["meta"])
-  tables.save_json(results, out, complete=True)
-  print(f"wrote {out}")
+  tables.save_rows("bench_compile", args, rows, goals=checks)
 
 
 if __name__ == "__main__":

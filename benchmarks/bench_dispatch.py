@@ -135,10 +135,7 @@ def main(argv=None):
             f"idle; medians over {args.rounds} interleaved rounds, (lowest-highest round); "
             "paired: the median of the rounds' ratios to no state; us per array: what each "
             "state array added, from the paired ratio."))
-  results = {"meta": tables.run_metadata(args), "rows": rows}
-  out = args.out or tables.default_out_path("bench_dispatch", results["meta"])
-  tables.save_json(results, out, complete=True)
-  print("wrote", out)
+  tables.save_rows("bench_dispatch", args, rows)
 
 
 if __name__ == "__main__":

@@ -82,10 +82,7 @@ def main(argv=None):
        ("kernels", 8, lambda r: r["kernels"]), ("wall", 9, lambda r: r["wall_us"])],
       rows, "device: the GPU's busy time per call (profiler); kernels: per call; wall: "
             f"median over 5 rounds of {CALLS} calls."))
-  results = {"meta": tables.run_metadata(args), "rows": rows}
-  out = args.out or tables.default_out_path("bench_pure_jax", results["meta"])
-  tables.save_json(results, out, complete=True)
-  print("wrote", out)
+  tables.save_rows("bench_pure_jax", args, rows)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,16 @@ def default_out_path(script, meta):
   return os.path.join(RESULTS_DIR, f"{script}-{meta['date'][:10]}-{kind}{count}.json")
 
 
+def save_rows(script, args, rows, **extra):
+  """Writes a finished run's results ({"meta", "rows", **extra}) to --out or the default
+  path of `script`, and says where."""
+  results = {"meta": run_metadata(args), "rows": rows, **extra}
+  out = args.out or default_out_path(script, results["meta"])
+  save_json(results, out, complete=True)
+  print(f"wrote {out}")
+  return out
+
+
 def save_json(results, path, complete):
   """Writes the results; `complete` false while a run is still going, so that a run stopped
   from outside leaves what it measured."""
