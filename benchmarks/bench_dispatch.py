@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import clipjax
-from benchlib import tables
+from benchlib import tables, timing
 
 _F32, _I32, _BOOL = jnp.float32, jnp.int32, jnp.bool_  # the state's dtypes
 
@@ -63,15 +62,15 @@ class Caller:
     self.args = ([jnp.full((elements,), 1.0 + i % 7, _F32) for i in range(arrays)],
                  [jnp.zeros(shape, dtype) for shape, dtype in state_arrays])
     self.step, self.state_arrays = step, len(state_arrays)
-    for _ in range(3):  # compile, then the first calls after it
-      self.call()
+    self.run(3)  # compile, then the first calls after it
 
-  def call(self):
-    """Seconds inside one call, made with the device idle."""
-    jax.block_until_ready(self.args)
-    t = time.perf_counter()
-    self.args = self.step(*self.args)
-    return time.perf_counter() - t
+  def run(self, calls):
+    """[seconds inside each call], each made with the device idle (`timing.timed_steps`)."""
+    def step():
+      self.args = self.step(*self.args)
+
+    return timing.timed_steps(lambda: jax.block_until_ready(self.args), step, calls,
+                              drained=True)[1]
 
 
 def measure(callers, rounds, calls):
@@ -83,8 +82,7 @@ def measure(callers, rounds, calls):
     gc.disable()
     try:
       for name in names[r % len(names):] + names[:r % len(names)]:
-        per_round[name].append(statistics.median(callers[name].call() for _ in range(calls))
-                               * 1e6)
+        per_round[name].append(statistics.median(callers[name].run(calls)) * 1e6)
     finally:
       gc.enable()
   return per_round
@@ -97,8 +95,7 @@ def rows_of(callers, per_round):
     paired = statistics.median(a / b for a, b in zip(us, base))
     extra = callers[name].state_arrays
     rows.append({"layout": name, "state_arrays": extra,
-                 "host_us": {"median": statistics.median(us), "min": min(us), "max": max(us),
-                             "rounds": us},
+                 "host_us": timing.spread(us),
                  "paired_vs_none": paired,
                  "us_per_added_array": ((paired - 1) * statistics.median(base) / extra
                                         if extra else None)})

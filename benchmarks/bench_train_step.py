@@ -198,11 +198,6 @@ class Runner:
             if found else {})
 
 
-def spread(values_ms):
-  return {"median": statistics.median(values_ms), "min": min(values_ms), "max": max(values_ms),
-          "rounds": values_ms}
-
-
 def timed_round(order, args):
   """{variant: {clock: ms per step}} of one round, the collector off: wall and dispatch per
   step over the round's steps, host the median of its drained calls (one call that the OS
@@ -269,7 +264,7 @@ def bench_case(name, batch, dtype, args, torch):
     rows.append({"model": name, "batch": batch, "dtype": dtype, "variant": runner.variant,
                  "label": LABELS[runner.variant],
                  "tokens_per_step": batch * args.context_length,
-                 **{f"{k}_ms": spread(v[runner.variant]) for k, v in clocks.items()},
+                 **{f"{k}_ms": timing.spread(v[runner.variant]) for k, v in clocks.items()},
                  "device_ms": device_ms, "host_ms_by_event": events_ms,
                  "compile_s": runner.compile_s,
                  "hlo": runner.hlo, **runner.clip_facts()})
@@ -282,7 +277,7 @@ def bench_case(name, batch, dtype, args, torch):
       for k in clocks:
         row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
       for k in ("wall", "host"):
-        row[f"{k}_paired_vs_adamw"] = spread([a / b for a, b in zip(row[f"{k}_ms"]["rounds"],
+        row[f"{k}_paired_vs_adamw"] = timing.spread([a / b for a, b in zip(row[f"{k}_ms"]["rounds"],
                                                                      base[f"{k}_ms"]["rounds"])])
   return rows
 

@@ -63,6 +63,12 @@ def regime_holds(regime, trees, norm0, reps_done, rotation=1):
   return all((n > next_max) if regime == "clip" else (n <= next_max) for n in norms)
 
 
+def spread(values):
+  """The median, lowest and highest of a clock's per-round values, and the values."""
+  return {"median": statistics.median(values), "min": min(values), "max": max(values),
+          "rounds": values}
+
+
 def timed_steps(sync, step, steps, drained=False):
   """(wall seconds, [seconds inside each call]) of `steps` calls of `step()`: wall from the
   first call until `sync()` (which waits for the device) returns after the last. `drained`:
