@@ -34,6 +34,12 @@ process.
     python benchmarks/bench_train_step.py                      # the GPU run
     python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
     python benchmarks/bench_train_step.py --cases andrea-120m:1:f32 --variants none,andrea
+    python benchmarks/bench_train_step.py --cases andrea-120m:1:bf16 --variants none,andrea --kernels 8
+
+--kernels N says where a variant's device time goes: from the profiled round, each kernel
+is classed by the kind of fusion XLA made and the shape it writes (gemm_fusion_dot
+bf16[768,2304], wrapped_slice bf16[768,768], ...), and the N classes whose time per step
+differs most from adamw alone's are printed, with their counts (the JSON holds every class).
 
 docs/wall_clock.md says what it measured.
 """
@@ -43,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import time
@@ -111,6 +118,9 @@ def parse_args(argv=None):
                  help="keep each variant's profiler trace (host and device rows) here")
   p.add_argument("--host-events", type=int, default=0,
                  help="print the host's time per step by profiler event, this many per variant")
+  p.add_argument("--kernels", type=int, default=0,
+                 help="print, for each variant, this many kernel classes whose device time "
+                 "differs most from adamw alone's (from the profiled round)")
   p.add_argument("--max-seconds", type=float, default=0,
                  help="start no new case after this many seconds (0: no limit)")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
@@ -181,7 +191,8 @@ class Runner:
     t0 = time.perf_counter()
     compiled = self.fn.lower(*self.state, tokens).compile()
     self.compile_s = time.perf_counter() - t0
-    self.hlo = profiling.hlo_summary(compiled.as_text())
+    hlo = compiled.as_text()
+    self.hlo, self.shapes = profiling.hlo_summary(hlo), profiling.instruction_shapes(hlo)
     self.run(2)  # warm-up: the first calls after a compile are slower
 
   def run(self, steps, drained=False):
@@ -238,15 +249,33 @@ def make_runners(name, batch, dtype, args, torch):
 
 
 def profile(runner, args, trace_name):
-  """(device ms per step, {host event: ms per step}) from a profiled round."""
+  """(device ms per step, {host event: ms per step}, {kernel class: [kernels, us] per step})
+  from a profiled round."""
   keep = os.path.join(args.trace_dir, trace_name) if args.trace_dir else None
   planes = profiling.traced_planes(lambda: runner.run(PROFILED_STEPS), keep)
-  busy = {p.name: profiling.busy_seconds(list(p.lines)) for p in planes
-          if p.name.startswith("/device:GPU")}
-  busy = [v for v in busy.values() if v is not None]
+  gpus = [p for p in planes if p.name.startswith("/device:GPU")]
+  busy = [v for v in (profiling.busy_seconds(list(p.lines)) for p in gpus) if v is not None]
   device_ms = max(busy) / PROFILED_STEPS * 1e3 if busy else None
+  classes = profiling.kernel_classes([line for p in gpus for line in p.lines], runner.shapes)
   return device_ms, {k: v / PROFILED_STEPS * 1e3
-                     for k, v in profiling.host_seconds(planes).items()}
+                     for k, v in profiling.host_seconds(planes).items()}, {
+      k: [n / PROFILED_STEPS, sec / PROFILED_STEPS * 1e6] for k, (n, sec) in classes.items()}
+
+
+def kernel_deltas(row, base, top):
+  """The `top` kernel classes whose device time per step differs most between `row` and
+  `base` (adamw alone): [(class, kernels in base, kernels in row, us more than base)].
+
+  Classes that differ only in the dtypes they write are compared as one (the same kernels,
+  where a convert moved from one fusion to another), under the row's name for them."""
+  merged: dict = {}
+  for sign, classes in ((-1, base["device_us_by_kernel"]), (1, row["device_us_by_kernel"])):
+    for name, (kernels, us) in classes.items():
+      entry = merged.setdefault(re.sub(r"\b[a-z]\w*\[", "[", name), [name, 0, 0, 0.0])
+      entry[0] = name if sign > 0 else entry[0]
+      entry[1 if sign < 0 else 2] += kernels
+      entry[3] += sign * us
+  return sorted(map(tuple, merged.values()), key=lambda d: -abs(d[3]))[:top]
 
 
 def bench_case(name, batch, dtype, args, torch):
@@ -259,13 +288,14 @@ def bench_case(name, batch, dtype, args, torch):
         clocks[clock][variant].append(ms)
   rows = []
   for runner in runners:
-    device_ms, events_ms = (None, {}) if args.no_profile else profile(
+    device_ms, events_ms, kernels_us = (None, {}, {}) if args.no_profile else profile(
         runner, args, f"{name}-b{batch}-{dtype}-{runner.variant}")
     rows.append({"model": name, "batch": batch, "dtype": dtype, "variant": runner.variant,
                  "label": LABELS[runner.variant],
                  "tokens_per_step": batch * args.context_length,
                  **{f"{k}_ms": timing.spread(v[runner.variant]) for k, v in clocks.items()},
                  "device_ms": device_ms, "host_ms_by_event": events_ms,
+                 "device_us_by_kernel": kernels_us,
                  "compile_s": runner.compile_s,
                  "hlo": runner.hlo, **runner.clip_facts()})
   # JAX's rows against adamw alone, torch's against torch's AdamW alone.
@@ -332,6 +362,13 @@ def main(argv=None):
       events = list(row["host_ms_by_event"].items())[:args.host_events]
       print(f"host ms per step by event, {row['label']}: " +
             "; ".join(f"{k[:60]} {v:.3f}" for k, v in events), flush=True)
+    base = next((r for r in case_rows if r["variant"] == "none"), None)
+    for row in case_rows if args.kernels and base and base["device_us_by_kernel"] else []:
+      if row is not base and row["variant"] in VARIANTS:
+        print(f"device us per step by kernel class, {row['label']} against adamw alone "
+              "(class: kernels there, here; us more): " + "; ".join(
+                  f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in
+                  kernel_deltas(row, base, args.kernels)), flush=True)
   print(table(results["rows"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")

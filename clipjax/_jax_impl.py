@@ -6,7 +6,8 @@ Same contract as `clipjax._ffi.clip_call`: returns `(out_leaves, norms, flags)`.
 Only per-leaf reductions and elementwise ops touch the leaves, so XLA's SPMD
 partitioner runs this on sharded gradients as it runs optax's clip: each device
 reduces its own shards and an all-reduce combines a few floats per leaf. No leaf is
-reshaped, concatenated or passed through a conditional.
+reshaped, concatenated or passed through a conditional (on one GPU, the leaves' small
+row sums are stacked: see `norms`).
 
 Overflow and underflow are handled on scalars, not leaves. Every leaf yields three
 sums of squares in one pass, of x, x * 2**-88 and x * 2**64 (in float32):
@@ -24,7 +25,9 @@ The arithmetic is float32, or float64 for a tree with a float64 (or complex128) 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _F32 = jnp.float32
@@ -100,6 +103,51 @@ def leaf_sums(x, dtype=_F32):
   return sums
 
 
+# A leaf's row sums are kept for up to this many rows (12 floats a row); a leaf of more
+# rows, or a scalar, is summed whole.
+_MAX_ROWS = 1 << 16
+
+
+def row_sums(x, dtype=_F32):
+  """The leaf's three sums of squares by its first axis, f[3, rows] in `dtype`: each row's
+  (a vector's rows are its elements), or f[3, 1], the whole leaf's, for a scalar or a leaf
+  of more than _MAX_ROWS rows. One reduction of the leaf's trailing axes, which XLA runs as
+  one kernel where it splits a whole leaf's sums into two."""
+  sums = 0
+  for part in _real_parts(x, dtype):
+    if part.ndim and part.shape[0] <= _MAX_ROWS:
+      sums = sums + jnp.sum(scaled_squares(part), axis=tuple(range(2, part.ndim + 1)))
+    else:
+      sums = sums + leaf_sums(part, dtype).reshape(3, 1)
+  return sums
+
+
+def use_row_sums() -> bool:
+  """Whether `norms` finishes the leaves' row sums together (`_sums_by_rows`): where the
+  program runs on one GPU. With more devices a leaf may be sharded, and its row sums with
+  it; on CPUs it is slower (docs/wall_clock.md, "The pure-JAX path's sums by rows")."""
+  return jax.default_backend() == "gpu" and jax.device_count() == 1
+
+
+def _sums_by_leaf(leaves, dtype):
+  """f[n, 3]: each leaf's three sums of squares, one reduction per leaf (see `norms`)."""
+  return jnp.stack(lax.optimization_barrier([leaf_sums(x, dtype) for x in leaves]))
+
+
+def _sums_by_rows(leaves, dtype):
+  """f[n, 3]: each leaf's three sums of squares, from its row sums (`row_sums`): those of
+  the same length are stacked and reduced in one op, so that XLA finishes them in a few
+  kernels rather than in one or two per leaf (see `norms`)."""
+  rows = lax.optimization_barrier([row_sums(x, dtype) for x in leaves])
+  by_length: dict = {}
+  for i, r in enumerate(rows):
+    by_length.setdefault(r.shape[1], []).append(i)
+  order = [i for members in by_length.values() for i in members]
+  sums = jnp.concatenate([jnp.sum(jnp.stack([rows[i] for i in members]), axis=2)
+                          for members in by_length.values()])
+  return sums[np.argsort(order)]
+
+
 def pick_norm(mid, big, small):
   """(root, exponent) of the norm from its three sums of squares, elementwise.
 
@@ -116,12 +164,20 @@ def pick_norm(mid, big, small):
 
 
 def norms(leaves):
-  """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc."""
+  """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc.
+
+  On one GPU each leaf is reduced to its row sums and those of the same length are
+  finished together (`_sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums
+  in a kernel of its own (the example's 120M training step: 108 reduction kernels against
+  23). Elsewhere each leaf is reduced whole (`_sums_by_leaf`): where a leaf may be sharded
+  its row sums may be too, and stacking them would move them between devices, while
+  reduced whole only its three sums are all-reduced.
+  """
   dtype = norm_dtype(leaves)
-  # The barrier keeps each leaf's reduction a fusion of its own, and whole: stacked at
-  # once, XLA:GPU may fuse the reductions into the stack, where one thread reduces a whole
-  # leaf; sliced before it, into a kernel or more per sum.
-  sums = jnp.stack(lax.optimization_barrier([leaf_sums(x, dtype) for x in leaves]))
+  # The barrier (in either) keeps each leaf's reduction a fusion of its own, and whole:
+  # stacked at once, XLA:GPU may fuse the reductions into the stack, where one thread
+  # reduces a whole leaf.
+  sums = (_sums_by_rows if use_row_sums() else _sums_by_leaf)(leaves, dtype)
   per_leaf = [sums[:, j] for j in range(3)]
   # The totals add the leaves' sums in ascending order: a little more accurate, and a sort
   # is not an op that XLA:CPU copies into every consumer. A plain sum becomes a chain of n

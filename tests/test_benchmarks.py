@@ -186,8 +186,9 @@ def test_bench_pure_jax_quick(tmp_path):
   results, stdout = run_quick("bench_pure_jax.py", tmp_path)
   assert "PURE JAX AGAINST OPTAX" in stdout
   rows = results["rows"]
-  assert [r["what"] for r in rows] == ["pure JAX norm", "optax norm", "pure JAX clip",
-                                       "optax clip"]
+  assert [r["what"] for r in rows] == [
+      "pure JAX norm, by rows", "pure JAX norm, whole leaves", "optax norm",
+      "pure JAX clip, by rows", "pure JAX clip, whole leaves", "optax clip"]
   assert all(r["wall_us"] > 0 and r["device_us"] is None for r in rows)  # a CPU: no trace
 
 
@@ -225,6 +226,7 @@ def test_bench_train_step_quick(tmp_path):
     paired = [h / a for h, a in zip(row["host_ms"]["rounds"], alone["host_ms"]["rounds"])]
     assert row["host_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
     assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
+    assert row["device_us_by_kernel"] == {}
     if row["variant"] == "none_again":  # the control: the same program, timed apart
       assert row["hlo"] == alone["hlo"] and row["wall_ms"]["rounds"] != alone["wall_ms"]["rounds"]
     if row["variant"].startswith("andrea"):
@@ -301,6 +303,46 @@ def test_kernel_seconds_ranks_the_kernels_of_the_stream_lines():
   assert list(got) == ["k_grad_scale", "k_grad_norm_partial", "k_grad_norm_final"]
   assert got["k_grad_scale"] == 600e-9 and got["k_grad_norm_final"] == 50e-9
   assert profiling.kernel_seconds(lines, top=1) == {"k_grad_scale": 600e-9, "(other)": 450e-9}
+
+
+def test_kernel_classes_name_each_kernel_by_its_fusion_and_what_it_writes():
+  hlo = """
+  %wrapped_slice.36 = bf16[768,768]{1,0} fusion(%gemm_fusion_dot.425), kind=kLoop
+  %wrapped_slice.37 = bf16[768,768]{1,0} fusion(%gemm_fusion_dot.425), kind=kLoop
+  %loop_add_fusion = (f32[768]{0}, f32[768]{0}, f32[768]{0}) fusion(%a, %b), kind=kLoop
+  ROOT %tuple.9 = (f32[2]{0}) tuple(%x)
+  """
+  shapes = profiling.instruction_shapes(hlo)
+  assert shapes["wrapped_slice.36"] == "bf16[768,768]"
+  assert shapes["loop_add_fusion"] == "(f32[768], f32[768], ...)"
+  assert shapes["tuple.9"] == "(f32[2])"
+  ev = lambda name, dur: NS(name=name, start_ns=0, duration_ns=dur)  # noqa: E731
+  partial = "void clipjax::(anonymous namespace)::k_grad_norm_partial<256>(clipjax::device::T)"
+  lines = [NS(name="Stream #1", events=[ev("wrapped_slice_36", 2000), ev("wrapped_slice_37", 1000),
+                                        ev("loop_add_fusion", 500), ev(partial, 9000)]),
+           NS(name="XLA Ops", events=[ev("wrapped_slice.36", 5000)])]  # not a stream: ignored
+  got = profiling.kernel_classes(lines, shapes)
+  assert got == {"wrapped_slice bf16[768,768]": [2, 3000e-9],
+                 "loop_add_fusion (f32[768], f32[768], ...)": [1, 500e-9],
+                 "k_grad_norm_partial": [1, 9000e-9]}
+
+
+def test_kernel_deltas_rank_the_classes_a_step_adds_or_drops():
+  bts = load_script("benchmarks/bench_train_step.py")
+  base = {"device_us_by_kernel": {"gemm_fusion_dot bf16[768,2304]": [12, 500.0],
+                                  "loop_add_fusion (bf16[768], bf16[768])": [110, 165.0],
+                                  "input_reduce_fusion bf16[3072]": [12, 61.5]}}
+  row = {"device_us_by_kernel": {"gemm_fusion_dot bf16[768,2304]": [12, 501.0],
+                                 "loop_add_fusion (bf16[768], bf16[768])": [10, 30.0],
+                                 "input_reduce_fusion f32[3072]": [12, 62.0],  # a dtype apart
+                                 "wrapped_slice bf16[768,768]": [36, 65.0],
+                                 "k_grad_norm_partial": [1, 55.0]}}
+  assert bts.kernel_deltas(row, base, 4) == [
+      ("loop_add_fusion (bf16[768], bf16[768])", 110, 10, -135.0),
+      ("wrapped_slice bf16[768,768]", 0, 36, 65.0), ("k_grad_norm_partial", 0, 1, 55.0),
+      ("gemm_fusion_dot bf16[768,2304]", 12, 12, 1.0)]
+  [reduce] = [d for d in bts.kernel_deltas(row, base, 9) if d[0].startswith("input_reduce")]
+  assert reduce == ("input_reduce_fusion f32[3072]", 12, 12, 0.5)
 
 
 def test_collectives_are_counted_with_their_largest_buffer():

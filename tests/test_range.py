@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import clipjax
+from clipjax import _jax_impl
 from conftest import f64_norm
 
 # jax.enable_x64 where this jax has it; jax 0.7.2 has only jax.experimental's.
@@ -77,3 +78,47 @@ def test_float64_state_keeps_its_dtype_through_an_optax_chain():
     assert clip.leaf_norms.dtype == clip.norm_mean.dtype == clip.norm_var.dtype == jnp.float32
     assert float(clip.leaf_norms[0]) == 5.0 and bool(clip.clipped)
     np.testing.assert_allclose(np.asarray(updates["w"]), [-0.6, -0.8], rtol=1e-15)
+
+
+def _range_tree():
+  """Leaves of every rank and of both ends of float32's range, and one of more rows than the
+  pure-JAX path keeps row sums for."""
+  rng = np.random.default_rng(7)
+  return {
+      "scalar": jnp.float32(3e30),
+      "vector": jnp.asarray(rng.normal(size=768), jnp.float32),
+      "huge": jnp.full((2, 2), 1e38, jnp.float32),
+      "huge_too": jnp.full((2,), 2e38, jnp.float32),  # with "huge": a norm above float32's
+      "tiny": jnp.asarray(rng.normal(size=(6, 5)) * 1e-35, jnp.float32),  # squares underflow
+      "cube": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.bfloat16),
+      "complex": jnp.asarray(rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2)), jnp.complex64),
+      "tall": jnp.asarray(rng.normal(size=(_jax_impl._MAX_ROWS + 3, 1)), jnp.float32),
+      "also_768": jnp.asarray(rng.normal(size=(768, 2)) * 1e-25, jnp.float32),
+  }
+
+
+def _norm64(leaf):
+  """|leaf| in float64 (of a complex leaf, from its parts)."""
+  x = np.asarray(leaf)
+  x = x.astype(np.complex128) if np.iscomplexobj(x) else x.astype(np.float64)
+  return float(np.sqrt(np.sum(np.abs(x) ** 2)))
+
+
+@pytest.mark.parametrize("by_rows", [True, False])
+def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(monkeypatch, by_rows):
+  """The pure-JAX path finishes the leaves' row sums together on one GPU, and elsewhere
+  reduces each leaf whole: the same norms either way, each within float32 rounding of
+  float64's, at both ends of the range."""
+  tree = _range_tree()
+  monkeypatch.setattr(_jax_impl, "use_row_sums", lambda: by_rows)
+  # A fresh function for each setting: jit would reuse the other's trace.
+  result = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax", mode="per_tensor"))(tree)
+  for i, (name, leaf) in enumerate(sorted(tree.items())):  # the leaves' order
+    np.testing.assert_allclose(float(result.leaf_norms[i]), _norm64(leaf), rtol=2e-6,
+                               err_msg=name)
+  # The global norm is above float32's range: its factor still clips each leaf right.
+  overall = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax"))(tree)
+  assert float(overall.global_norm) == np.inf and not bool(overall.nonfinite)
+  np.testing.assert_allclose(np.asarray(overall.updates["huge"], np.float64),
+                             1e38 / np.hypot.reduce([_norm64(x) for x in tree.values()]),
+                             rtol=2e-7)

@@ -110,6 +110,41 @@ def kernel_seconds(lines, top=8):
   return out
 
 
+def instruction_shapes(hlo: str) -> dict:
+  """{instruction name: the shape it writes, without layouts} of an optimized HLO module
+  (a tuple shape shortened to its first two parts): what `kernel_classes` names kernels by."""
+  shapes = {}
+  for m in re.finditer(r"^\s+(?:ROOT )?%?([\w.-]+) = (\([^)]*\)|\S+) ", hlo, re.M):
+    shape = re.sub(r"\{[^}]*\}", "", m.group(2))
+    if shape.startswith("("):
+      parts = re.findall(r"\w+\[[\d,]*\]", shape)
+      shape = "(" + ", ".join(parts[:2]) + (", ...)" if len(parts) > 2 else ")")
+    shapes[m.group(1)] = shape
+  return shapes
+
+
+def kernel_classes(lines, shapes):
+  """{kernel class: [kernels, seconds]} over the stream lines among `lines`, a class being
+  the kind of fusion XLA made (its name without the numbering: loop_convert_fusion,
+  wrapped_slice, gemm_fusion_dot, ...) and the shape it writes (from `instruction_shapes` of
+  the compiled module); a kernel the module does not name (a library's, clipjax's) is its
+  own class (`short_kernel_name`). Two steps' classes side by side say which kernels one
+  step adds to the other, and what they write."""
+  out: dict = {}
+  for line in lines:
+    if not line.name.startswith("Stream"):
+      continue
+    for e in line.events:
+      hlo_name = re.sub(r"_(\d+)$", r".\1", e.name)
+      shape = shapes.get(hlo_name, shapes.get(e.name))
+      stem = re.sub(r"_\d+$", "", e.name)
+      key = f"{stem} {shape}" if shape else short_kernel_name(e.name)
+      count_seconds = out.setdefault(key, [0, 0.0])
+      count_seconds[0] += 1
+      count_seconds[1] += e.duration_ns / 1e9
+  return out
+
+
 def short_kernel_name(name):
   """clipjax's kernel name (k_...) out of a demangled signature; else its first 48
   characters."""
