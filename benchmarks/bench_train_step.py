@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import statistics
 import sys
 import time
@@ -262,22 +261,6 @@ def profile(runner, args, trace_name):
       k: [n / PROFILED_STEPS, sec / PROFILED_STEPS * 1e6] for k, (n, sec) in classes.items()}
 
 
-def kernel_deltas(row, base, top):
-  """The `top` kernel classes whose device time per step differs most between `row` and
-  `base` (adamw alone): [(class, kernels in base, kernels in row, us more than base)].
-
-  Classes that differ only in the dtypes they write are compared as one (the same kernels,
-  where a convert moved from one fusion to another), under the row's name for them."""
-  merged: dict = {}
-  for sign, classes in ((-1, base["device_us_by_kernel"]), (1, row["device_us_by_kernel"])):
-    for name, (kernels, us) in classes.items():
-      entry = merged.setdefault(re.sub(r"\b[a-z]\w*\[", "[", name), [name, 0, 0, 0.0])
-      entry[0] = name if sign > 0 else entry[0]
-      entry[1 if sign < 0 else 2] += kernels
-      entry[3] += sign * us
-  return sorted(map(tuple, merged.values()), key=lambda d: -abs(d[3]))[:top]
-
-
 def bench_case(name, batch, dtype, args, torch):
   runners = make_runners(name, batch, dtype, args, torch)
   clocks = {k: {r.variant: [] for r in runners} for k in ("wall", "dispatch", "host")}
@@ -365,10 +348,11 @@ def main(argv=None):
     base = next((r for r in case_rows if r["variant"] == "none"), None)
     for row in case_rows if args.kernels and base and base["device_us_by_kernel"] else []:
       if row is not base and row["variant"] in VARIANTS:
+        deltas = profiling.kernel_deltas(row["device_us_by_kernel"],
+                                         base["device_us_by_kernel"], args.kernels)
         print(f"device us per step by kernel class, {row['label']} against adamw alone "
               "(class: kernels there, here; us more): " + "; ".join(
-                  f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in
-                  kernel_deltas(row, base, args.kernels)), flush=True)
+                  f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in deltas), flush=True)
   print(table(results["rows"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")

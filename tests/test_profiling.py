@@ -11,7 +11,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchlib import profiling  # noqa: E402
-from conftest import load_script  # noqa: E402
 
 
 def test_busy_seconds_is_the_union_of_stream_activity():
@@ -59,20 +58,20 @@ def test_kernel_classes_name_each_kernel_by_its_fusion_and_what_it_writes():
 
 
 def test_kernel_deltas_rank_the_classes_a_step_adds_or_drops():
-  bts = load_script("benchmarks/bench_train_step.py")
-  base = {"device_us_by_kernel": {"gemm_fusion_dot bf16[768,2304]": [12, 500.0],
-                                  "loop_add_fusion (bf16[768], bf16[768])": [110, 165.0],
-                                  "input_reduce_fusion bf16[3072]": [12, 61.5]}}
-  row = {"device_us_by_kernel": {"gemm_fusion_dot bf16[768,2304]": [12, 501.0],
-                                 "loop_add_fusion (bf16[768], bf16[768])": [10, 30.0],
-                                 "input_reduce_fusion f32[3072]": [12, 62.0],  # a dtype apart
-                                 "wrapped_slice bf16[768,768]": [36, 65.0],
-                                 "k_grad_norm_partial": [1, 55.0]}}
-  assert bts.kernel_deltas(row, base, 4) == [
+  base = {"gemm_fusion_dot bf16[768,2304]": [12, 500.0],
+          "loop_add_fusion (bf16[768], bf16[768])": [110, 165.0],
+          "input_reduce_fusion bf16[3072]": [12, 61.5]}
+  row = {"gemm_fusion_dot bf16[768,2304]": [12, 501.0],
+         "loop_add_fusion (bf16[768], bf16[768])": [10, 30.0],
+         "input_reduce_fusion f32[3072]": [12, 62.0],  # a dtype apart: the same kernels
+         "wrapped_slice bf16[768,768]": [36, 65.0],
+         "k_grad_norm_partial": [1, 55.0]}
+  assert profiling.kernel_deltas(row, base, 4) == [
       ("loop_add_fusion (bf16[768], bf16[768])", 110, 10, -135.0),
       ("wrapped_slice bf16[768,768]", 0, 36, 65.0), ("k_grad_norm_partial", 0, 1, 55.0),
       ("gemm_fusion_dot bf16[768,2304]", 12, 12, 1.0)]
-  [reduce] = [d for d in bts.kernel_deltas(row, base, 9) if d[0].startswith("input_reduce")]
+  [reduce] = [d for d in profiling.kernel_deltas(row, base, 9)
+              if d[0].startswith("input_reduce")]
   assert reduce == ("input_reduce_fusion f32[3072]", 12, 12, 0.5)
 
 

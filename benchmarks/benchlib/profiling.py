@@ -145,6 +145,23 @@ def kernel_classes(lines, shapes):
   return out
 
 
+def kernel_deltas(got, ref, top):
+  """The `top` kernel classes whose time differs most between two steps' `kernel_classes`
+  given per step ({class: [kernels, us]}, `got` against `ref`): [(class, kernels in ref,
+  kernels in got, us more than ref)].
+
+  Classes that differ only in the dtypes they write are compared as one (the same kernels,
+  where a convert moved from one fusion to another), under `got`'s name for them."""
+  merged: dict = {}
+  for sign, classes in ((-1, ref), (1, got)):
+    for name, (kernels, us) in classes.items():
+      entry = merged.setdefault(re.sub(r"\b[a-z]\w*\[", "[", name), [name, 0, 0, 0.0])
+      entry[0] = name if sign > 0 else entry[0]
+      entry[1 if sign < 0 else 2] += kernels
+      entry[3] += sign * us
+  return sorted(map(tuple, merged.values()), key=lambda d: -abs(d[3]))[:top]
+
+
 def short_kernel_name(name):
   """clipjax's kernel name (k_...) out of a demangled signature; else its first 48
   characters."""
