@@ -48,7 +48,8 @@ def test_kernel_classes_name_each_kernel_by_its_fusion_and_what_it_writes():
   assert shapes["tuple.9"] == "(f32[2])"
   ev = lambda name, dur: NS(name=name, start_ns=0, duration_ns=dur)  # noqa: E731
   partial = "void clipjax::(anonymous namespace)::k_grad_norm_partial<256>(clipjax::device::T)"
-  lines = [NS(name="Stream #1", events=[ev("wrapped_slice_36", 2000), ev("wrapped_slice_37", 1000),
+  lines = [NS(name="Stream #1", events=[ev("wrapped_slice_36", 2000),
+                                        ev("wrapped_slice_37", 1000),
                                         ev("loop_add_fusion", 500), ev(partial, 9000)]),
            NS(name="XLA Ops", events=[ev("wrapped_slice.36", 5000)])]  # not a stream: ignored
   got = profiling.kernel_classes(lines, shapes)

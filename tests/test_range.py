@@ -91,7 +91,8 @@ def _range_tree():
       "huge_too": jnp.full((2,), 2e38, jnp.float32),  # with "huge": a norm above float32's
       "tiny": jnp.asarray(rng.normal(size=(6, 5)) * 1e-35, jnp.float32),  # squares underflow
       "cube": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.bfloat16),
-      "complex": jnp.asarray(rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2)), jnp.complex64),
+      "complex": jnp.asarray(rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2)),
+                             jnp.complex64),
       "tall": jnp.asarray(rng.normal(size=(_jax_impl._MAX_ROWS + 3, 1)), jnp.float32),
       "also_768": jnp.asarray(rng.normal(size=(768, 2)) * 1e-25, jnp.float32),
   }
