@@ -25,7 +25,6 @@ each added array cost the host.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 
 import jax
@@ -74,18 +73,9 @@ class Caller:
 
 
 def measure(callers, rounds, calls):
-  """{layout: [median us of each round]}, the layouts in rotating order, the collector off."""
-  per_round = {name: [] for name in callers}
-  names = list(callers)
-  for r in range(rounds):
-    gc.collect()
-    gc.disable()
-    try:
-      for name in names[r % len(names):] + names[:r % len(names)]:
-        per_round[name].append(statistics.median(callers[name].run(calls)) * 1e6)
-    finally:
-      gc.enable()
-  return per_round
+  """{layout: [median us of each round]} (`timing.interleaved_rounds`)."""
+  return timing.interleaved_rounds(
+      callers, rounds, lambda name: statistics.median(callers[name].run(calls)) * 1e6)
 
 
 def rows_of(callers, per_round):

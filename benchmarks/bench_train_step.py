@@ -47,7 +47,6 @@ docs/wall_clock.md says what it measured.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -202,29 +201,21 @@ class Runner:
     return timing.timed_steps(lambda: jax.block_until_ready(self.state), step, steps, drained)
 
   def clip_facts(self):
-    found = [s for s in jax.tree.leaves(self.state[1], is_leaf=lambda x: isinstance(
-        x, clipjax.AndreaClipState)) if isinstance(s, clipjax.AndreaClipState)]
-    return ({"global_norm": float(found[0].global_norm), "clipped": bool(found[0].clipped)}
-            if found else {})
+    try:
+      state = clipjax.clip_state(self.state[1])
+    except ValueError:  # no clip in this chain
+      return {}
+    return {"global_norm": float(state.global_norm), "clipped": bool(state.clipped)}
 
 
-def timed_round(order, args):
-  """{variant: {clock: ms per step}} of one round, the collector off: wall and dispatch per
-  step over the round's steps, host the median of its drained calls (one call that the OS
-  interrupts does not move it)."""
-  gc.collect()
-  gc.disable()
-  try:
-    out = {}
-    for runner in order:
-      wall, dispatch = runner.run(args.steps)
-      _, host = runner.run(args.host_steps, drained=True)
-      out[runner.variant] = {"wall": wall / args.steps * 1e3,
-                             "dispatch": sum(dispatch) / args.steps * 1e3,
-                             "host": statistics.median(host) * 1e3}
-    return out
-  finally:
-    gc.enable()
+def timed(runner, args):
+  """{clock: ms per step} of a runner in one round: wall and dispatch per step over the
+  round's steps, host the median of its drained calls (one call that the OS interrupts does
+  not move it)."""
+  wall, dispatch = runner.run(args.steps)
+  _, host = runner.run(args.host_steps, drained=True)
+  return {"wall": wall / args.steps * 1e3, "dispatch": sum(dispatch) / args.steps * 1e3,
+          "host": statistics.median(host) * 1e3}
 
 
 def make_runners(name, batch, dtype, args, torch):
@@ -263,12 +254,9 @@ def profile(runner, args, trace_name):
 
 def bench_case(name, batch, dtype, args, torch):
   runners = make_runners(name, batch, dtype, args, torch)
-  clocks = {k: {r.variant: [] for r in runners} for k in ("wall", "dispatch", "host")}
-  for r in range(args.rounds):
-    order = runners[r % len(runners):] + runners[:r % len(runners)]
-    for variant, per_step_ms in timed_round(order, args).items():
-      for clock, ms in per_step_ms.items():
-        clocks[clock][variant].append(ms)
+  rounds = timing.interleaved_rounds(runners, args.rounds, lambda r: timed(r, args))
+  clocks = {k: {r.variant: [ms[k] for ms in rounds[r]] for r in runners}
+            for k in ("wall", "dispatch", "host")}
   rows = []
   for runner in runners:
     device_ms, events_ms, kernels_us = (None, {}, {}) if args.no_profile else profile(

@@ -30,10 +30,13 @@ def load_script(relative_path: str):
 
 
 def f64_norm(tree) -> float:
-  """Reference global norm in float64 (NumPy), chunked to bound memory."""
+  """Reference global norm in float64 (NumPy), chunked to bound memory; a complex leaf
+  counts as its real and imaginary parts."""
   total = 0.0
   for leaf in jax.tree.leaves(tree):
-    flat = np.asarray(leaf).astype(np.float32).reshape(-1)  # NumPy: no compile per shape
+    x = np.asarray(leaf)
+    x = np.stack([x.real, x.imag]) if np.iscomplexobj(x) else x
+    flat = x.astype(np.float32).reshape(-1)  # NumPy: no compile per shape
     for start in range(0, flat.size, 1 << 24):
       part = flat[start:start + (1 << 24)].astype(np.float64)
       total += float(np.dot(part, part))

@@ -282,6 +282,20 @@ def test_timed_steps_times_each_call_and_drains_before_each_when_asked(drained):
   assert events == ["sync", *body, "sync"]
 
 
+def test_interleaved_rounds_rotate_the_order_with_the_collector_off():
+  import gc
+  order = []
+
+  def measure(item):
+    order.append(item)
+    assert not gc.isenabled()
+    return len(order)
+
+  got = timing.interleaved_rounds("abc", 3, measure)
+  assert order == list("abcbcacab") and gc.isenabled()
+  assert got == {"a": [1, 6, 8], "b": [2, 4, 9], "c": [3, 5, 7]}
+
+
 @pytest.mark.parametrize("impl", ["ffi", "optax"])
 def test_clips_in_a_loop_are_the_clips_written_out(impl):
   """K clips as passes of a loop (max_norms scaled down pass by pass) give the same trees as

@@ -98,13 +98,6 @@ def _range_tree():
   }
 
 
-def _norm64(leaf):
-  """|leaf| in float64 (of a complex leaf, from its parts)."""
-  x = np.asarray(leaf)
-  x = x.astype(np.complex128) if np.iscomplexobj(x) else x.astype(np.float64)
-  return float(np.sqrt(np.sum(np.abs(x) ** 2)))
-
-
 @pytest.mark.parametrize("by_rows", [True, False])
 def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(monkeypatch, by_rows):
   """The pure-JAX path finishes the leaves' row sums together on one GPU, and elsewhere
@@ -115,11 +108,10 @@ def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(monkeypatch, by_r
   # A fresh function for each setting: jit would reuse the other's trace.
   result = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax", mode="per_tensor"))(tree)
   for i, (name, leaf) in enumerate(sorted(tree.items())):  # the leaves' order
-    np.testing.assert_allclose(float(result.leaf_norms[i]), _norm64(leaf), rtol=2e-6,
+    np.testing.assert_allclose(float(result.leaf_norms[i]), f64_norm(leaf), rtol=2e-6,
                                err_msg=name)
   # The global norm is above float32's range: its factor still clips each leaf right.
   overall = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax"))(tree)
   assert float(overall.global_norm) == np.inf and not bool(overall.nonfinite)
   np.testing.assert_allclose(np.asarray(overall.updates["huge"], np.float64),
-                             1e38 / np.hypot.reduce([_norm64(x) for x in tree.values()]),
-                             rtol=2e-7)
+                             1e38 / f64_norm(tree), rtol=2e-7)

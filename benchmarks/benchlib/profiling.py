@@ -98,12 +98,8 @@ def busy_seconds(lines):
 def kernel_seconds(lines, top=8):
   """{kernel or copy name: seconds} summed over the stream lines among `lines`, the `top`
   longest (the rest summed as "(other)"): where the device time went."""
-  totals: dict = {}
-  for line in lines:
-    if line.name.startswith("Stream"):
-      for e in line.events:
-        totals[e.name] = totals.get(e.name, 0.0) + e.duration_ns / 1e9
-  ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+  totals = stream_totals(lines, lambda name: name)
+  ranked = sorted(((k, seconds) for k, (_, seconds) in totals.items()), key=lambda kv: -kv[1])
   out = dict(ranked[:top])
   if len(ranked) > top:
     out["(other)"] = sum(v for _, v in ranked[top:])
@@ -130,18 +126,23 @@ def kernel_classes(lines, shapes):
   the compiled module); a kernel the module does not name (a library's, clipjax's) is its
   own class (`short_kernel_name`). Two steps' classes side by side say which kernels one
   step adds to the other, and what they write."""
+  def kernel_class(name):
+    shape = shapes.get(re.sub(r"_(\d+)$", r".\1", name), shapes.get(name))
+    stem = re.sub(r"_\d+$", "", name)
+    return f"{stem} {shape}" if shape else short_kernel_name(name)
+
+  return stream_totals(lines, kernel_class)
+
+
+def stream_totals(lines, key):
+  """{key(kernel or copy name): [kernels, seconds]} over the stream lines among `lines`."""
   out: dict = {}
   for line in lines:
-    if not line.name.startswith("Stream"):
-      continue
-    for e in line.events:
-      hlo_name = re.sub(r"_(\d+)$", r".\1", e.name)
-      shape = shapes.get(hlo_name, shapes.get(e.name))
-      stem = re.sub(r"_\d+$", "", e.name)
-      key = f"{stem} {shape}" if shape else short_kernel_name(e.name)
-      count_seconds = out.setdefault(key, [0, 0.0])
-      count_seconds[0] += 1
-      count_seconds[1] += e.duration_ns / 1e9
+    if line.name.startswith("Stream"):
+      for e in line.events:
+        count_seconds = out.setdefault(key(e.name), [0, 0.0])
+        count_seconds[0] += 1
+        count_seconds[1] += e.duration_ns / 1e9
   return out
 
 

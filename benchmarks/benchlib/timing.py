@@ -10,6 +10,7 @@ host's dispatch of a call takes longer than the device's work.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -67,6 +68,23 @@ def spread(values):
   """The median, lowest and highest of a clock's per-round values, and the values."""
   return {"median": statistics.median(values), "min": min(values), "max": max(values),
           "rounds": values}
+
+
+def interleaved_rounds(items, rounds, measure):
+  """{item: [measure(item) in each round]}: every round measures each item once, in an order
+  that rotates by one item a round (so that drift hits each alike), with Python's garbage
+  collector off (and a collection before)."""
+  items = list(items)
+  out = {item: [] for item in items}
+  for r in range(rounds):
+    gc.collect()
+    gc.disable()
+    try:
+      for item in items[r % len(items):] + items[:r % len(items)]:
+        out[item].append(measure(item))
+    finally:
+      gc.enable()
+  return out
 
 
 def timed_steps(sync, step, steps, drained=False):
