@@ -10,8 +10,8 @@ trace, the median wall time of 20 calls. Prints one table and writes JSON.
     python benchmarks/bench_pure_jax.py --quick              # tiny shapes, on a CPU
 
 The pure-JAX path is timed both ways it can finish the leaves' sums of squares: by rows
-(what it does on one GPU) and leaf by leaf (elsewhere), so that one command says which is
-faster on any machine.
+(what it does on CUDA GPUs) and leaf by leaf (elsewhere), so that one command says which
+is faster on any machine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import clipjax
 from benchlib import profiling, tables, trees
 from clipjax import _jax_impl
 
@@ -34,31 +33,29 @@ MAX_NORM = 1e-3  # below the trees' norms: every clip scales
 
 def functions():
   """{row: function of the leaves}: the pure-JAX path's norm and clip with each way of
-  finishing the leaves' sums (`_jax_impl.use_row_sums` decides which it takes: row sums
-  finished together on one GPU, whole leaves elsewhere), and optax's."""
+  finishing the leaves' sums (by rows, as on CUDA GPUs, and leaf by leaf, as elsewhere;
+  `_jax_impl.ROW_SUM_PLATFORMS`), and optax's."""
   clip = optax.clip_by_global_norm(MAX_NORM)
-  norm = lambda ls: clipjax.global_norm(ls, impl="jax")  # noqa: E731
-  clipped = lambda ls: clipjax.clip_tree(ls, MAX_NORM, impl="jax").updates  # noqa: E731
   return {
-      "pure JAX norm, by rows": with_row_sums(norm, True),
-      "pure JAX norm, whole leaves": with_row_sums(norm, False),
+      "pure JAX norm, by rows": pure_jax(by_rows=True, scale_leaves=False),
+      "pure JAX norm, whole leaves": pure_jax(by_rows=False, scale_leaves=False),
       "optax norm": optax.global_norm,
-      "pure JAX clip, by rows": with_row_sums(clipped, True),
-      "pure JAX clip, whole leaves": with_row_sums(clipped, False),
+      "pure JAX clip, by rows": pure_jax(by_rows=True, scale_leaves=True),
+      "pure JAX clip, whole leaves": pure_jax(by_rows=False, scale_leaves=True),
       "optax clip": lambda ls: clip.update(ls, clip.init(ls))[0],
   }
 
 
-def with_row_sums(fn, by_rows):
-  """`fn`, traced with the pure-JAX path finishing its sums by rows or not."""
-  def traced(leaves):
-    chosen = _jax_impl.use_row_sums
-    _jax_impl.use_row_sums = lambda: by_rows
-    try:
-      return fn(leaves)
-    finally:
-      _jax_impl.use_row_sums = chosen
-  return traced
+def pure_jax(*, by_rows, scale_leaves):
+  """The pure-JAX clip of the leaves in one form (`_jax_impl.clip_leaves`, which
+  `clipjax.clip_tree(impl="jax")` runs in this platform's form): the clipped leaves, or the
+  global norm alone."""
+  def fn(leaves):
+    out, norms, _ = _jax_impl.clip_leaves(MAX_NORM, leaves, mode="global",
+                                          on_nonfinite="propagate", scale_leaves=scale_leaves,
+                                          by_rows=by_rows)
+    return out if scale_leaves else norms[0]
+  return fn
 
 
 def measure(fn, leaves) -> dict:

@@ -2,8 +2,9 @@
 
 `impl="auto"` is decided when lowering (`lax.platform_dependent`): the custom call on
 CUDA, pure JAX elsewhere (CPU, TPU). Under `jax.jit` on sharded leaves the custom call
-is partitioned per shard (`_partition.py`), and the pure-JAX twin is partitioned by XLA
-like any per-leaf reduction; neither gathers a leaf.
+is partitioned per shard (`_partition.py`), and so is the pure-JAX twin on GPUs; on
+other platforms XLA partitions the pure-JAX twin like any per-leaf reduction. None of
+them gathers a leaf.
 """
 
 from __future__ import annotations
@@ -86,28 +87,34 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   """The clip of `leaves` by `impl`: `(out_leaves or None, norms f32[n + 1], flags int32[2])`.
 
   `scale_by`: "kernel", "fused" or None (the norms only), as `_ffi.clip_call` takes it; the
-  pure-JAX path always leaves the multiply to XLA.
+  pure-JAX path always leaves the multiply to XLA. Which code runs is decided when
+  lowering, per platform: the custom call on CUDA for impl="auto" where it can run; the
+  pure-JAX clip partitioned per shard like the custom call on `_jax_impl.ROW_SUM_PLATFORMS`
+  (each device stacks its own leaves' row sums), unless a leaf is sharded by its type
+  (`_partition.explicitly_sharded`); elsewhere the pure-JAX clip leaf by leaf, which XLA's
+  partitioner splits like any reduction.
   """
-  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite)
-
-  def pure_jax(max_norm, leaves):
-    return _jax_impl.clip_leaves(max_norm, leaves, scale_leaves=scale_by is not None, **kwargs)
-
-  def custom_call(max_norm, leaves):
-    return _partition.partitioned_clip(max_norm, leaves, scale_by=scale_by, **kwargs)
-
-  if impl == "jax":
-    return pure_jax(max_norm, leaves)
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
-    return custom_call(max_norm, leaves)
-  if not auto_has_custom_call(leaves):
-    return pure_jax(max_norm, leaves)
+    return _partition.partitioned_clip(max_norm, leaves, impl="ffi", **kwargs)
 
   def branch(fn):
     return lambda max_norm, *leaves: _partition.flat_outputs(*fn(max_norm, list(leaves)))
 
-  outs = jax.lax.platform_dependent(max_norm, *leaves, cuda=branch(custom_call),
-                                    default=branch(pure_jax))
+  def leaf_by_leaf(max_norm, leaves):
+    return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite=on_nonfinite,
+                                 scale_leaves=scale_by is not None, by_rows=False)
+
+  def partitioned(impl):
+    return branch(lambda max_norm, leaves: _partition.partitioned_clip(
+        max_norm, leaves, impl=impl, **kwargs))
+
+  by_rows = (branch(leaf_by_leaf) if _partition.explicitly_sharded(leaves)
+             else partitioned("jax"))
+  branches = dict.fromkeys(_jax_impl.ROW_SUM_PLATFORMS, by_rows)
+  if impl == "auto" and auto_has_custom_call(leaves):
+    branches["cuda"] = partitioned("ffi")
+  outs = jax.lax.platform_dependent(max_norm, *leaves, default=branch(leaf_by_leaf), **branches)
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

@@ -6,8 +6,8 @@ Same contract as `clipjax._ffi.clip_call`: returns `(out_leaves, norms, flags)`.
 Only per-leaf reductions and elementwise ops touch the leaves, so XLA's SPMD
 partitioner runs this on sharded gradients as it runs optax's clip: each device
 reduces its own shards and an all-reduce combines a few floats per leaf. No leaf is
-reshaped, concatenated or passed through a conditional (on one GPU, the leaves' small
-row sums are stacked: see `norms`).
+reshaped, concatenated or passed through a conditional (on GPUs, where each device's
+leaves are its own, their small row sums are stacked: see `norms`).
 
 Overflow and underflow are handled on scalars, not leaves. Every leaf yields three
 sums of squares in one pass, of x, x * 2**-88 and x * 2**64 (in float32):
@@ -80,13 +80,20 @@ def _real_parts(x, dtype):
   return [x.astype(dtype)]
 
 
+def staged(values, dtype):
+  """A vector of static numbers, made by traced ops rather than held as a constant array:
+  the clip that `custom_partitioning` traces (`_partition._whole_call`) may hold no
+  constants. XLA folds it into one."""
+  return lax.concatenate([lax.broadcast_in_dim(np.asarray(v, dtype), (1,), ()) for v in values],
+                         0)
+
+
 def scaled_squares(x):
   """The squares of the real array x at the three scales (mid, big, small), stacked along
   a new leading axis, in x's dtype: what `pick_norm` picks from once they are summed."""
   # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
   # x^2 * c^2 and fold c^2, which is 0 or inf.
-  factors = lax.optimization_barrier(
-      jnp.asarray([2.0**k for k in _sum_exponents(x.dtype)], x.dtype))
+  factors = lax.optimization_barrier(staged([2.0**k for k in _sum_exponents(x.dtype)], x.dtype))
   return jnp.square(x[None] * factors.reshape((3,) + (1,) * x.ndim))
 
 
@@ -122,11 +129,11 @@ def row_sums(x, dtype=_F32):
   return sums
 
 
-def use_row_sums() -> bool:
-  """Whether `norms` finishes the leaves' row sums together (`_sums_by_rows`): where the
-  program runs on one GPU. With more devices a leaf may be sharded, and its row sums with
-  it; on CPUs it is slower (docs/wall_clock.md, "The pure-JAX path's sums by rows")."""
-  return jax.default_backend() == "gpu" and jax.device_count() == 1
+# The platforms where the pure-JAX clip finishes the leaves' row sums together
+# (`_sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums in a kernel of its
+# own. Measured on CUDA only; on CPUs it is slower (docs/wall_clock.md, "The pure-JAX
+# path's sums by rows").
+ROW_SUM_PLATFORMS = ("cuda",)
 
 
 def _sums_by_leaf(leaves, dtype):
@@ -145,7 +152,7 @@ def _sums_by_rows(leaves, dtype):
   order = [i for members in by_length.values() for i in members]
   sums = jnp.concatenate([jnp.sum(jnp.stack([rows[i] for i in members]), axis=2)
                           for members in by_length.values()])
-  return sums[np.argsort(order)]
+  return sums[staged(np.argsort(order), jnp.int32)]
 
 
 def pick_norm(mid, big, small):
@@ -163,21 +170,22 @@ def pick_norm(mid, big, small):
   return root, exp.astype(jnp.int32)
 
 
-def norms(leaves):
+def norms(leaves, *, by_rows: bool):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc.
 
-  On one GPU each leaf is reduced to its row sums and those of the same length are
-  finished together (`_sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums
-  in a kernel of its own (the example's 120M training step: 108 reduction kernels against
-  23). Elsewhere each leaf is reduced whole (`_sums_by_leaf`): where a leaf may be sharded
-  its row sums may be too, and stacking them would move them between devices, while
-  reduced whole only its three sums are all-reduced.
+  `by_rows`: each leaf is reduced to its row sums and those of the same length are
+  finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
+  leaf's sums in a kernel of its own (the example's 120M training step: 108 reduction
+  kernels against 23). Only for leaves whole on the device that runs this: a sharded
+  leaf's row sums are sharded too, and stacking them would move them between devices.
+  Else each leaf is reduced whole (`_sums_by_leaf`), which XLA's partitioner splits like
+  any reduction, all-reducing three sums per leaf.
   """
   dtype = norm_dtype(leaves)
   # The barrier (in either) keeps each leaf's reduction a fusion of its own, and whole:
   # stacked at once, XLA:GPU may fuse the reductions into the stack, where one thread
   # reduces a whole leaf.
-  sums = (_sums_by_rows if use_row_sums() else _sums_by_leaf)(leaves, dtype)
+  sums = (_sums_by_rows if by_rows else _sums_by_leaf)(leaves, dtype)
   per_leaf = [sums[:, j] for j in range(3)]
   # The totals add the leaves' sums in ascending order: a little more accurate, and a sort
   # is not an op that XLA:CPU copies into every consumer. A plain sum becomes a chain of n
@@ -278,11 +286,13 @@ def scale_by_rows(rows, leaves, *, per_leaf: bool):
   row 0. Each leaf's consumer reads one small array, whatever its row: XLA then still
   fuses the consumers of same-shape leaves into one kernel (AdamW's updates, for one),
   as it does for the optimizer alone."""
-  out = []
-  for i, x in enumerate(leaves):
-    scale, low, high, zero = (rows[i if per_leaf else 0, j] for j in range(4))
-    out.append(scale_leaf(x, scale, low, high, zero != 0))
-  return out
+  def row(i):
+    *factors, zero = (lax.squeeze(lax.slice(rows, (i, j), (i + 1, j + 1)), (0, 1))
+                      for j in range(4))
+    return (*factors, zero != 0)
+
+  shared = None if per_leaf else row(0)  # traced once: the same ops for every leaf
+  return [scale_leaf(x, *(row(i) if per_leaf else shared)) for i, x in enumerate(leaves)]
 
 
 def scale_all(scale, shift, keep, zero_fill, leaves):
@@ -300,10 +310,24 @@ def scale_all(scale, shift, keep, zero_fill, leaves):
   return scale_by_rows(rows, leaves, per_leaf=per_leaf)
 
 
-def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool):
+def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool,
+                by_rows: bool | None):
   """The clip of `leaves` in pure JAX; the custom call's contract (norms in float64 for
-  a tree with float64 leaves)."""
+  a tree with float64 leaves).
+
+  `by_rows` as for `norms`, or None for leaves that are whole on the device that runs the
+  clip (inside `shard_map`): by rows where the program is lowered for ROW_SUM_PLATFORMS,
+  leaf by leaf elsewhere, decided when lowering (`lax.platform_dependent`).
+  """
+  if by_rows is None:
+    def form(by_rows):
+      return lambda max_norm, *leaves: clip_leaves(
+          max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
+          scale_leaves=scale_leaves, by_rows=by_rows)
+
+    return lax.platform_dependent(max_norm, *leaves, default=form(False),
+                                  **dict.fromkeys(ROW_SUM_PLATFORMS, form(True)))
   max_norm = jnp.asarray(max_norm, norm_dtype(leaves)).reshape(())
-  (root, exp), (leaf_roots, leaf_exps) = norms(leaves)
+  (root, exp), (leaf_roots, leaf_exps) = norms(leaves, by_rows=by_rows)
   return decide_and_scale(max_norm, leaves, root, exp, leaf_roots, leaf_exps, mode=mode,
                           on_nonfinite=on_nonfinite, scale_leaves=scale_leaves)

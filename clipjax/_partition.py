@@ -1,16 +1,19 @@
-"""The custom call made partitionable: under `jax.jit` on sharded leaves, XLA's SPMD
-partitioner (Shardy or GSPMD) runs it on each device's shards instead of gathering them.
+"""The clip made partitionable: under `jax.jit` on sharded leaves, XLA's SPMD partitioner
+(Shardy or GSPMD) runs it on each device's shards instead of gathering them.
 
-`partitioned_clip` wraps the whole clip (`_ffi.clip_call`) in
-`jax.experimental.custom_partitioning`:
+`partitioned_clip` wraps the whole clip in `jax.experimental.custom_partitioning`: the
+custom call (`_ffi.clip_call`, impl="ffi"), or, on GPUs, the pure-JAX clip by rows
+(impl="jax"), which stacks the leaves' row sums (`_jax_impl.norms`): partitioned here,
+each device stacks its own, where XLA's partitioning of the stack would move them between
+devices.
 
 - the sharding rule gives every dimension of every leaf its own factor, passed through
   from operand to result, so each clipped leaf keeps its operand's sharding; the norms
   and flags need replication;
 - `_partition` accepts the operands as the partitioner laid them out (nothing is
-  resharded) and lowers, per device, either the whole call (every leaf whole on every
+  resharded) and lowers, per device, either the whole clip (every leaf whole on every
   device) or `_shards.clip_shards` (norms of the local shards, an all-reduce of a few
-  floats per leaf over the axes each leaf is split on, one scale call);
+  floats per leaf over the axes each leaf is split on, then the scale);
 - with a single device (`_nothing_to_partition`) the whole call is traced directly.
 
 A dimension that its mesh axes do not divide is padded by the partitioner; its padding
@@ -28,7 +31,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _shards
+from clipjax import _ffi, _jax_impl, _shards
 
 
 def flat_outputs(out, norms, flags) -> tuple:
@@ -36,16 +39,22 @@ def flat_outputs(out, norms, flags) -> tuple:
   return (*(out or []), norms, flags)
 
 
-def _whole_call(mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
-  """The clip of whole leaves (a tuple): one custom call, or for a tree of more than
-  `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
-  with the decision between them (`_shards.clip_shards` with no mesh axes).
+def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
+  """The clip of whole leaves (a tuple). impl="ffi": one custom call, or for a tree of more
+  than `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves
+  each with the decision between them (`_shards.clip_shards` with no mesh axes).
+  impl="jax": the pure-JAX clip by rows (`_jax_impl.clip_leaves`), which is partitioned
+  here only where it finishes its sums by rows (see `_dispatch.run`).
 
   The leaves travel as one tuple, here and through `_batchable`, rather than as one
   argument each: JAX handles each positional argument of a custom_partitioning call
   against every other (quadratic in their number: seconds at 20,000 leaves)."""
   del ranks  # static: only the sharding rule reads it
   leaves = list(leaves)
+  if impl == "jax":
+    return flat_outputs(*_jax_impl.clip_leaves(
+        max_norm, leaves, mode=mode, on_nonfinite=on_nonfinite,
+        scale_leaves=scale_by is not None, by_rows=True))
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
     return flat_outputs(*_ffi.clip_call(max_norm, leaves, **kwargs))
@@ -53,9 +62,10 @@ def _whole_call(mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
                                            **kwargs))
 
 
-def _sharding_rule(mode, on_nonfinite, scale_by, ranks, mesh, operand_types, result_types):
+def _sharding_rule(impl, mode, on_nonfinite, scale_by, ranks, mesh, operand_types,
+                   result_types):
   """Shardy's rule: a pass-through factor per leaf dimension; norms and flags replicated."""
-  del mode, on_nonfinite, mesh, operand_types, result_types
+  del impl, mode, on_nonfinite, mesh, operand_types, result_types
   counter = iter(range(sum(ranks)))
   leaves = [" ".join(f"d{next(counter)}" for _ in range(rank)) for rank in ranks]
   results = (leaves if scale_by else []) + ["norms", "flags"]
@@ -74,9 +84,10 @@ def _leaf_shardings(mesh, leaf_shapes):
   return out
 
 
-def _infer_shardings(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
+def _infer_shardings(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes,
+                     result_shape):
   """GSPMD's rule (the partitioner before Shardy): as `_sharding_rule` says."""
-  del mode, on_nonfinite, ranks, result_shape
+  del impl, mode, on_nonfinite, ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
   leaves = _leaf_shardings(mesh, arg_shapes[1]) if scale_by else []
   return (*leaves, replicated, replicated)
@@ -103,7 +114,7 @@ def _padding_mask(shard, global_shape, spec, mesh):
   return None if valid is None else jnp.where(valid, shard, jnp.zeros_like(shard))
 
 
-def _partition(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
+def _partition(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_shape):
   del ranks, result_shape
   replicated = NamedSharding(mesh, PartitionSpec())
   leaf_shapes = arg_shapes[1]
@@ -114,31 +125,31 @@ def _partition(mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, result_sha
 
   def lower_fn(max_norm, shards):
     if not any(leaf_axes):
-      return _whole_call(mode, on_nonfinite, scale_by, (), max_norm, shards)
+      return _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
     norm_inputs = [x if m is None else m for x, m in zip(shards, masked)]
     return flat_outputs(*_shards.clip_shards(
-        max_norm, list(shards), leaf_axes, impl="ffi", mode=mode, on_nonfinite=on_nonfinite,
-        scale_by=scale_by, norm_inputs=norm_inputs))
+        max_norm, list(shards), leaf_axes, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+        scale_by=scale_by, norm_inputs=norm_inputs, by_rows=True))
 
   results = (*(shardings if scale_by else []), replicated, replicated)
   return mesh, lower_fn, results, (replicated, tuple(shardings))
 
 
-_clip = custom_partitioning(_whole_call, static_argnums=(0, 1, 2, 3))
+_clip = custom_partitioning(_whole_call, static_argnums=(0, 1, 2, 3, 4))
 _clip.def_partition(partition=_partition, infer_sharding_from_operands=_infer_shardings,
                     sharding_rule=_sharding_rule)
 
 
 @functools.cache
-def _batchable(mode, on_nonfinite, scale_by, ranks):
+def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
   """The partitioned call under `jax.vmap`: one call per batch element, in sequence (the
   partitioner has no batching rule)."""
 
   @jax.custom_batching.custom_vmap
   def call(max_norm, leaves):
-    return _clip(mode, on_nonfinite, scale_by, ranks, max_norm, leaves)
+    return _clip(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves)
 
   @call.def_vmap
   def _(axis_size, in_batched, max_norm, leaves):
@@ -158,18 +169,31 @@ def _nothing_to_partition() -> bool:
   return jax.device_count() == 1 and mesh_size <= 1
 
 
-def partitioned_clip(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
-  """`_ffi.clip_call`, partitioned per shard under jit (same contract).
+def explicitly_sharded(leaves) -> bool:
+  """Whether a leaf's type says it is split over a mesh axis (an Explicit axis): then each
+  op on it must keep to its type's sharding, and the pure-JAX clip's row sums of leaves
+  split in different ways cannot be stacked, whoever partitions the clip."""
+  for x in leaves:
+    sharding = jax.typeof(x).sharding
+    explicit = set(getattr(sharding.mesh, "explicit_axes", ()))
+    if explicit & set(jax.tree.leaves(tuple(sharding.spec))):
+      return True
+  return False
+
+
+def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: str, scale_by):
+  """The clip by `impl` ("ffi" or "jax"), partitioned per shard under jit (the contract of
+  `_ffi.clip_call`).
 
   On a single device the whole call is traced as it is, without `custom_partitioning` and
   `custom_vmap`, whose per-leaf work costs time and memory on many leaves (at 20,000
   leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
   then batch under `jax.vmap` by themselves, one call per batch element."""
   if _nothing_to_partition():
-    outs = _whole_call(mode, on_nonfinite, scale_by, (), max_norm, tuple(leaves))
+    outs = _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, tuple(leaves))
   else:
     ranks = tuple(x.ndim for x in leaves)
-    outs = _batchable(mode, on_nonfinite, scale_by, ranks)(max_norm, tuple(leaves))
+    outs = _batchable(impl, mode, on_nonfinite, scale_by, ranks)(max_norm, tuple(leaves))
   if scale_by:
     return list(outs[:-2]), outs[-2], outs[-1]
   return None, outs[0], outs[1]

@@ -68,7 +68,7 @@ def _norm_of_norms(roots, exps):
 
 
 def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfinite: str,
-                scale_by, norm_inputs=None):
+                scale_by, norm_inputs=None, by_rows=None):
   """The clip of the whole tree, run on this device's shards (inside shard_map or a
   partitioned custom call, where the mesh axes are bound).
 
@@ -81,6 +81,8 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
       elementwise ops) or None (the norms only); see `_ffi.clip_call`.
     norm_inputs: what the norms are taken of, where it differs from `shards` (a shard
       with padding, masked to zero); the scale always applies to `shards`.
+    by_rows: for impl="jax", how each device finishes its sums, as
+      `_jax_impl.clip_leaves` takes it (None: decided when lowering, by platform).
 
   Returns:
     (out_shards or None, norms f32[n + 1], flags int32[2]), as the custom call does;
@@ -98,7 +100,8 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   step = _ffi.MAX_LEAVES_PER_CALL
   call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
   for members in by_axes.values():
-    norms = [_norms(impl, max_norm, [norm_inputs[i] for i in members[k:k + step]], mode)[1]
+    norms = [_norms(impl, max_norm, [norm_inputs[i] for i in members[k:k + step]], mode,
+                    by_rows)[1]
              for k in range(0, len(members), step)]
     roots, exps = _whole_leaf_norms(jnp.concatenate(norms), leaf_axes[members[0]])
     for x, calls, leaves in ((roots, call_roots, leaf_roots), (exps, call_exps, leaf_exps)):
@@ -131,9 +134,9 @@ def _split_calls(x, num_leaves, step):
           jnp.concatenate([whole[:, 1:].reshape(-1), rest[1:]]))
 
 
-def _norms(impl, max_norm, leaves, mode):
+def _norms(impl, max_norm, leaves, mode, by_rows):
   """(None, norms, flags) of `leaves` by `impl`: the norms alone."""
   if impl == "ffi":
     return _ffi.clip_call(max_norm, leaves, mode=mode, on_nonfinite="propagate", scale_by=None)
   return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite="propagate",
-                               scale_leaves=False)
+                               scale_leaves=False, by_rows=by_rows)

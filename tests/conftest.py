@@ -62,6 +62,32 @@ def impl(request):
   return request.param
 
 
+@pytest.fixture
+def sum_by_rows_here(monkeypatch):
+  """Makes the pure-JAX path take, on the CPU, the form it takes on CUDA GPUs: the CPU
+  joins `_jax_impl.ROW_SUM_PLATFORMS`, so its sums are finished by rows, and its clip is
+  partitioned per shard like the custom call's. JAX's caches are cleared on the way in and
+  out: a jitted function traced in one form would otherwise run in it in the other."""
+  from clipjax import _jax_impl
+  jax.clear_caches()
+  monkeypatch.setattr(_jax_impl, "ROW_SUM_PLATFORMS", (*_jax_impl.ROW_SUM_PLATFORMS, "cpu"))
+  yield
+  jax.clear_caches()
+
+
+# What the multi-device tests run: both implementations, and the pure-JAX one in the form
+# CUDA GPUs run ("jax_by_rows", `sum_by_rows_here`).
+SHARDED_IMPLS = ["jax", "jax_by_rows", "ffi"]
+
+
+def impl_named(name, request) -> str:
+  """The impl for `name`, one of SHARDED_IMPLS or "auto" (`request`: the test's)."""
+  if name == "jax_by_rows":
+    request.getfixturevalue("sum_by_rows_here")
+    return "jax"
+  return name
+
+
 def _multi_device_here() -> bool:
   n = jax.device_count()
   return n >= 2 and n % 2 == 0

@@ -4,7 +4,8 @@
 gradients that carry NamedShardings over a ("fsdp", "tp") mesh: each device reduces
 its own shards, an all-reduce combines a few floats per leaf, and every update keeps
 its sharding. Checked on both implementations, on Auto and Explicit mesh axes, against
-float64 and against the same step on one device.
+float64 and against the same step on one device; the pure-JAX one both as XLA partitions
+it (on CPUs and TPUs) and as it runs on CUDA GPUs (sums by rows, partitioned per shard).
 
 Like tests/test_sharded.py, these run where jax sees an even number >= 2 of devices,
 and otherwise in subprocesses on 4, 8 and 2 CPU devices (`test_on_cpu_devices`, in the
@@ -19,7 +20,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import clipjax
-from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
+from conftest import (SHARDED_IMPLS, compiled_collectives, f64_norm, impl_named,
+                      run_file_on_cpu_devices)
 
 
 # On 4 devices (a 2 x 2 mesh: both axes split), 8 and 2 (a size-1 data axis): the slow set,
@@ -28,6 +30,11 @@ from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 @pytest.mark.parametrize("count", [4, 8, 2])
 def test_on_cpu_devices(count):
   run_file_on_cpu_devices(__file__, count)
+
+
+@pytest.fixture(params=SHARDED_IMPLS)
+def impl(request):
+  return impl_named(request.param, request)
 
 
 def _mesh(axis_type=AxisType.Auto):
@@ -79,8 +86,10 @@ def _assert_only_small_all_reduces(hlo, num_leaves):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("impl", ["jax", "ffi", "auto"])
-def test_plain_transform_keeps_shards_and_the_whole_trees_norm(devices, impl, axis_type):
+@pytest.mark.parametrize("impl_name", [*SHARDED_IMPLS, "auto"])
+def test_plain_transform_keeps_shards_and_the_whole_trees_norm(devices, impl_name, axis_type,
+                                                               request):
+  impl = impl_named(impl_name, request)
   mesh, layout = _mesh(axis_type), _layout(devices)
   specs, grads = _specs(layout), _tree(_layout(devices), seed=0)
   tx = clipjax.andrea_clip(1.0, impl=impl)
@@ -142,6 +151,18 @@ def test_the_custom_call_is_traced_for_the_partitioner(devices):
   assert "custom_partitioning" in text
 
 
+def test_the_pure_jax_clip_is_partitioned_per_shard_where_lowered_for_cuda(devices):
+  """On CUDA the pure-JAX clip stacks each device's own row sums, in a clip partitioned
+  per shard like the custom call; lowered for the CPU, XLA partitions it, leaf by leaf."""
+  mesh, layout = _mesh(), _layout(devices)
+  sharded = _put(_tree(layout, seed=5), mesh, _specs(layout))
+  clip = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(sharded)
+  partitioned = {platform: "CustomSPMDPartitioning" in clip.lower(
+                     lowering_platforms=(platform,)).as_text()
+                 for platform in ("cuda", "cpu")}
+  assert partitioned == {"cuda": True, "cpu": False}
+
+
 def test_below_max_norm_is_bit_identical(devices, impl):
   mesh, layout = _mesh(), _layout(devices)
   specs, grads = _specs(layout), _tree(layout, seed=2)
@@ -153,7 +174,6 @@ def test_below_max_norm_is_bit_identical(devices, impl):
                                   np.asarray(grads[k]).view(np.uint8))
 
 
-@pytest.mark.parametrize("impl", ["jax", "ffi"])
 def test_leaf_norms_and_spikes_on_sharded_leaves(devices, impl):
   """The per-leaf norms of the whole leaves, and the spike policy, with nothing gathered."""
   mesh, layout = _mesh(), _layout(devices)

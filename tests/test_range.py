@@ -99,12 +99,13 @@ def _range_tree():
 
 
 @pytest.mark.parametrize("by_rows", [True, False])
-def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(monkeypatch, by_rows):
-  """The pure-JAX path finishes the leaves' row sums together on one GPU, and elsewhere
+def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(request, by_rows):
+  """The pure-JAX path finishes the leaves' row sums together on CUDA GPUs, and elsewhere
   reduces each leaf whole: the same norms either way, each within float32 rounding of
   float64's, at both ends of the range."""
   tree = _range_tree()
-  monkeypatch.setattr(_jax_impl, "use_row_sums", lambda: by_rows)
+  if by_rows:
+    request.getfixturevalue("sum_by_rows_here")
   # A fresh function for each setting: jit would reuse the other's trace.
   result = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax", mode="per_tensor"))(tree)
   for i, (name, leaf) in enumerate(sorted(tree.items())):  # the leaves' order

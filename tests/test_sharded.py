@@ -11,7 +11,8 @@ this file again in subprocesses with --xla_force_host_platform_device_count=4, =
   XLA_FLAGS=--xla_force_host_platform_device_count=N pytest tests/test_sharded.py
 
 Every result is checked against the whole, unsharded tree: the float64 NumPy
-norm and `clipjax.clip_tree` on one device, with both implementations.
+norm and `clipjax.clip_tree` on one device, with both implementations, the pure-JAX one
+also in the form CUDA GPUs run (its sums by rows).
 """
 
 import jax
@@ -22,7 +23,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import clipjax
-from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
+from conftest import (SHARDED_IMPLS, compiled_collectives, f64_norm, impl_named,
+                      run_file_on_cpu_devices)
 
 # On 4 devices (a 2 x 2 mesh: both axes split), 8 and 2 (a size-1 data axis): the slow set,
 # each count a subprocess of its own.
@@ -30,6 +32,11 @@ from conftest import compiled_collectives, f64_norm, run_file_on_cpu_devices
 @pytest.mark.parametrize("count", [4, 8, 2])
 def test_on_cpu_devices(count):
   run_file_on_cpu_devices(__file__, count)
+
+
+@pytest.fixture(params=SHARDED_IMPLS)
+def impl(request):
+  return impl_named(request.param, request)
 
 
 def _mesh(shape, names, axis_type=AxisType.Auto):
