@@ -144,19 +144,30 @@ _clip.def_partition(partition=_partition, infer_sharding_from_operands=_infer_sh
 
 @functools.cache
 def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
-  """The partitioned call under `jax.vmap`: one call per batch element, in sequence (the
-  partitioner has no batching rule)."""
+  """The partitioned call under `jax.vmap` (the partitioner has no batching rule): the
+  custom call once per batch element, in sequence; the pure-JAX clip batched by XLA, leaf
+  by leaf (its row sums, batched, would be stacked across devices)."""
 
   @jax.custom_batching.custom_vmap
   def call(max_norm, leaves):
     return _clip(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves)
+
+  def leaf_by_leaf(max_norm, leaves):
+    return flat_outputs(*_jax_impl.clip_leaves(
+        max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
+        scale_leaves=scale_by is not None, by_rows=False))
 
   @call.def_vmap
   def _(axis_size, in_batched, max_norm, leaves):
     del axis_size
     args, treedef = jax.tree.flatten((max_norm, leaves))
     axes = [0 if batched else None for batched in jax.tree.leaves(tuple(in_batched))]
-    outs = _ffi.in_sequence(lambda *xs: call(*jax.tree.unflatten(treedef, xs)), args, axes)
+    unflat = lambda *xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+    if impl == "jax":
+      # Batched by XLA, not in sequence: leaf by leaf, which XLA's partitioner splits.
+      outs = jax.vmap(lambda *xs: leaf_by_leaf(*unflat(*xs)), in_axes=axes)(*args)
+    else:
+      outs = _ffi.in_sequence(lambda *xs: call(*unflat(*xs)), args, axes)
     return outs, (True,) * len(outs)
 
   return call
