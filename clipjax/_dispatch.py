@@ -98,23 +98,18 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, impl="ffi", **kwargs)
 
-  def branch(fn):
-    return lambda max_norm, *leaves: _partition.flat_outputs(*fn(max_norm, list(leaves)))
-
-  def leaf_by_leaf(max_norm, leaves):
-    return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite=on_nonfinite,
-                                 scale_leaves=scale_by is not None, by_rows=False)
+  def leaf_by_leaf(max_norm, *leaves):
+    return _partition.pure_jax_clip(max_norm, leaves, by_rows=False, **kwargs)
 
   def partitioned(impl):
-    return branch(lambda max_norm, leaves: _partition.partitioned_clip(
-        max_norm, leaves, impl=impl, **kwargs))
+    return lambda max_norm, *leaves: _partition.flat_outputs(*_partition.partitioned_clip(
+        max_norm, list(leaves), impl=impl, **kwargs))
 
-  by_rows = (branch(leaf_by_leaf) if _partition.explicitly_sharded(leaves)
-             else partitioned("jax"))
+  by_rows = leaf_by_leaf if _partition.explicitly_sharded(leaves) else partitioned("jax")
   branches = dict.fromkeys(_jax_impl.ROW_SUM_PLATFORMS, by_rows)
   if impl == "auto" and auto_has_custom_call(leaves):
     branches["cuda"] = partitioned("ffi")
-  outs = jax.lax.platform_dependent(max_norm, *leaves, default=branch(leaf_by_leaf), **branches)
+  outs = jax.lax.platform_dependent(max_norm, *leaves, default=leaf_by_leaf, **branches)
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

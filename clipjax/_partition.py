@@ -39,23 +39,28 @@ def flat_outputs(out, norms, flags) -> tuple:
   return (*(out or []), norms, flags)
 
 
+def pure_jax_clip(max_norm, leaves, *, by_rows: bool, mode, on_nonfinite, scale_by) -> tuple:
+  """The pure-JAX clip (`_jax_impl.clip_leaves`, by rows or leaf by leaf), flat."""
+  return flat_outputs(*_jax_impl.clip_leaves(
+      max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
+      scale_leaves=scale_by is not None, by_rows=by_rows))
+
+
 def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
   """The clip of whole leaves (a tuple). impl="ffi": one custom call, or for a tree of more
   than `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves
   each with the decision between them (`_shards.clip_shards` with no mesh axes).
-  impl="jax": the pure-JAX clip by rows (`_jax_impl.clip_leaves`), which is partitioned
-  here only where it finishes its sums by rows (see `_dispatch.run`).
+  impl="jax": the pure-JAX clip by rows (`pure_jax_clip`), which is partitioned here only
+  where it finishes its sums by rows (see `_dispatch.run`).
 
   The leaves travel as one tuple, here and through `_batchable`, rather than as one
   argument each: JAX handles each positional argument of a custom_partitioning call
   against every other (quadratic in their number: seconds at 20,000 leaves)."""
   del ranks  # static: only the sharding rule reads it
   leaves = list(leaves)
-  if impl == "jax":
-    return flat_outputs(*_jax_impl.clip_leaves(
-        max_norm, leaves, mode=mode, on_nonfinite=on_nonfinite,
-        scale_leaves=scale_by is not None, by_rows=True))
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  if impl == "jax":
+    return pure_jax_clip(max_norm, leaves, by_rows=True, **kwargs)
   if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
     return flat_outputs(*_ffi.clip_call(max_norm, leaves, **kwargs))
   return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
@@ -152,11 +157,6 @@ def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
   def call(max_norm, leaves):
     return _clip(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves)
 
-  def leaf_by_leaf(max_norm, leaves):
-    return flat_outputs(*_jax_impl.clip_leaves(
-        max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
-        scale_leaves=scale_by is not None, by_rows=False))
-
   @call.def_vmap
   def _(axis_size, in_batched, max_norm, leaves):
     del axis_size
@@ -165,7 +165,9 @@ def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
     unflat = lambda *xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
     if impl == "jax":
       # Batched by XLA, not in sequence: leaf by leaf, which XLA's partitioner splits.
-      outs = jax.vmap(lambda *xs: leaf_by_leaf(*unflat(*xs)), in_axes=axes)(*args)
+      outs = jax.vmap(lambda *xs: pure_jax_clip(*unflat(*xs), by_rows=False, mode=mode,
+                                                on_nonfinite=on_nonfinite, scale_by=scale_by),
+                      in_axes=axes)(*args)
     else:
       outs = _ffi.in_sequence(lambda *xs: call(*unflat(*xs)), args, axes)
     return outs, (True,) * len(outs)
