@@ -88,11 +88,11 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
 
   `scale_by`: "kernel", "fused" or None (the norms only), as `_ffi.clip_call` takes it; the
   pure-JAX path always leaves the multiply to XLA. Which code runs is decided when
-  lowering, per platform: the custom call on CUDA for impl="auto" where it can run; the
-  pure-JAX clip partitioned per shard like the custom call on `_jax_impl.ROW_SUM_PLATFORMS`
-  (each device stacks its own leaves' row sums), unless a leaf is sharded by its type
-  (`_partition.explicitly_sharded`); elsewhere the pure-JAX clip leaf by leaf, which XLA's
-  partitioner splits like any reduction.
+  lowering, per platform (`_jax_impl.per_platform`): the custom call on CUDA for
+  impl="auto" where it can run; where the pure-JAX clip sums by rows, that clip partitioned
+  per shard like the custom call (each device stacks its own leaves' row sums), unless a
+  leaf is sharded by its type (`_partition.explicitly_sharded`); elsewhere the pure-JAX
+  clip leaf by leaf, which XLA's partitioner splits like any reduction.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
@@ -106,10 +106,9 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
         max_norm, list(leaves), impl=impl, **kwargs))
 
   by_rows = leaf_by_leaf if _partition.explicitly_sharded(leaves) else partitioned("jax")
-  branches = dict.fromkeys(_jax_impl.ROW_SUM_PLATFORMS, by_rows)
-  if impl == "auto" and auto_has_custom_call(leaves):
-    branches["cuda"] = partitioned("ffi")
-  outs = jax.lax.platform_dependent(max_norm, *leaves, default=leaf_by_leaf, **branches)
+  custom_call = ({"cuda": partitioned("ffi")}
+                 if impl == "auto" and auto_has_custom_call(leaves) else {})
+  outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves, **custom_call)
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

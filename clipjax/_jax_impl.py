@@ -136,6 +136,15 @@ def row_sums(x, dtype=_F32):
 ROW_SUM_PLATFORMS = ("cuda",)
 
 
+def per_platform(by_rows, by_leaf, *args, **other_platforms):
+  """by_rows(*args) where the program is lowered for one of ROW_SUM_PLATFORMS, by_leaf(*args)
+  elsewhere, and other_platforms' own functions on theirs: decided when lowering
+  (`lax.platform_dependent`), so a program lowered for another platform than the default
+  backend, or for several, takes each platform's form."""
+  return lax.platform_dependent(*args, default=by_leaf, **{
+      **dict.fromkeys(ROW_SUM_PLATFORMS, by_rows), **other_platforms})
+
+
 def _sums_by_leaf(leaves, dtype):
   """f[n, 3]: each leaf's three sums of squares, one reduction per leaf (see `norms`)."""
   return jnp.stack(lax.optimization_barrier([leaf_sums(x, dtype) for x in leaves]))
@@ -316,8 +325,7 @@ def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
   a tree with float64 leaves).
 
   `by_rows` as for `norms`, or None for leaves that are whole on the device that runs the
-  clip (inside `shard_map`): by rows where the program is lowered for ROW_SUM_PLATFORMS,
-  leaf by leaf elsewhere, decided when lowering (`lax.platform_dependent`).
+  clip (inside `shard_map`): each platform's form (`per_platform`).
   """
   if by_rows is None:
     def form(by_rows):
@@ -325,8 +333,7 @@ def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
           max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
           scale_leaves=scale_leaves, by_rows=by_rows)
 
-    return lax.platform_dependent(max_norm, *leaves, default=form(False),
-                                  **dict.fromkeys(ROW_SUM_PLATFORMS, form(True)))
+    return per_platform(form(True), form(False), max_norm, *leaves)
   max_norm = jnp.asarray(max_norm, norm_dtype(leaves)).reshape(())
   (root, exp), (leaf_roots, leaf_exps) = norms(leaves, by_rows=by_rows)
   return decide_and_scale(max_norm, leaves, root, exp, leaf_roots, leaf_exps, mode=mode,

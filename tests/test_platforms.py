@@ -1,0 +1,41 @@
+"""Which code a clip runs, chosen per platform when XLA lowers the program: the custom
+call or pure JAX for impl="auto", and the pure-JAX path's form (its sums by rows on CUDA,
+leaf by leaf elsewhere). Lowering for a platform needs no device of it, so the CUDA
+choices are checked on the CPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import clipjax
+from conftest import has_cuda, random_tree
+
+
+@pytest.mark.skipif(has_cuda(), reason="on a CUDA machine auto takes the custom call")
+def test_auto_on_cpu_takes_the_pure_jax_path():
+  tree = random_tree(jax.random.key(10), [(100,)], scale=3.0)
+  lowered = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="auto")).lower(tree).as_text()
+  assert "clipjax_andrea_clip" not in lowered
+  lowered = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi")).lower(tree).as_text()
+  assert "clipjax_andrea_clip" in lowered
+
+
+def _reduction_results(stablehlo: str) -> set:
+  return set(re.findall(r"stablehlo\.reduce.*?-> (tensor<[^>]*>)", stablehlo))
+
+
+def test_the_pure_jax_form_is_chosen_for_the_platform_lowered_for():
+  """On CUDA the pure-JAX clip reduces each leaf to its row sums (f32[3, rows]) and
+  finishes those of the same length together; elsewhere it reduces each leaf whole
+  (f32[3]). Decided when lowering, so it holds for a program lowered for another platform
+  than this machine's, or for several."""
+  tree = {"a": jnp.ones((768, 64)), "b": jnp.ones((768,)), "c": jnp.ones((5, 2, 3))}
+  traced = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(tree)
+  by_rows = {"tensor<3x768xf32>", "tensor<3x5xf32>"}
+  by_leaf = {"tensor<3xf32>"}
+  for platforms, want, not_want in [(("cuda",), by_rows, by_leaf), (("cpu",), by_leaf, by_rows),
+                                    (("cpu", "cuda"), by_rows | by_leaf, set())]:
+    found = _reduction_results(traced.lower(lowering_platforms=platforms).as_text())
+    assert want <= found and not found & not_want, (platforms, found)
