@@ -159,8 +159,11 @@ def _sums_by_rows(leaves, dtype):
   for i, r in enumerate(rows):
     by_length.setdefault(r.shape[1], []).append(i)
   order = [i for members in by_length.values() for i in members]
-  sums = jnp.concatenate([jnp.sum(jnp.stack([rows[i] for i in members]), axis=2)
-                          for members in by_length.values()])
+  # The second barrier keeps each length's reduction a kernel of its own: XLA:GPU may fuse
+  # one into the permutation below, where one thread adds up a whole row (in the example's
+  # 120M step, its embedding's 8449 row sums: 0.11-0.18 ms).
+  sums = jnp.concatenate(lax.optimization_barrier(
+      [jnp.sum(jnp.stack([rows[i] for i in members]), axis=2) for members in by_length.values()]))
   return sums[staged(np.argsort(order), jnp.int32)]
 
 

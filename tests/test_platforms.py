@@ -39,3 +39,24 @@ def test_the_pure_jax_form_is_chosen_for_the_platform_lowered_for():
                                     (("cpu", "cuda"), by_rows | by_leaf, set())]:
     found = _reduction_results(traced.lower(lowering_platforms=platforms).as_text())
     assert want <= found and not found & not_want, (platforms, found)
+
+
+def _barriers(stablehlo: str) -> list:
+  """The result types of each optimization barrier, as sets."""
+  return [set(re.findall(r"tensor<[^>]*>", line.split(":", 1)[1]))
+          for line in stablehlo.splitlines() if "stablehlo.optimization_barrier" in line]
+
+
+def test_the_cuda_form_fixes_its_kernels_with_barriers():
+  """XLA:GPU keeps an optimization barrier until after fusion (XLA:CPU drops it before, so
+  no CPU compile can show this), and the CUDA form relies on two of them: one over the
+  leaves' row sums, so that each leaf is reduced by a kernel of its own, and one over the
+  sums of each length's stacked row sums, so that XLA does not fuse one of those
+  reductions into the permutation back to the leaves' order, where one thread adds up a
+  whole row (0.11-0.18 ms of the example's 120M step, docs/wall_clock.md)."""
+  tree = {"a": jnp.ones((768, 64)), "b": jnp.ones((768,)), "c": jnp.ones((5, 2, 3))}
+  traced = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(tree)
+  barriers = _barriers(traced.lower(lowering_platforms=("cuda",)).as_text())
+  assert {"tensor<3x768xf32>", "tensor<3x5xf32>"} in barriers, barriers
+  # Lengths 768 (a and b) and 5 (c): each length's leaves' three sums.
+  assert {"tensor<2x3xf32>", "tensor<1x3xf32>"} in barriers, barriers
