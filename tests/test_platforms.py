@@ -22,6 +22,13 @@ def test_auto_on_cpu_takes_the_pure_jax_path():
   assert "clipjax_andrea_clip" in lowered
 
 
+def _traced_pure_jax_clip():
+  """The pure-JAX clip of three leaves, traced once for every platform it is lowered for:
+  rows of 768 (a matrix and a vector) and of 5."""
+  tree = {"a": jnp.ones((768, 64)), "b": jnp.ones((768,)), "c": jnp.ones((5, 2, 3))}
+  return jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(tree)
+
+
 def _reduction_results(stablehlo: str) -> set:
   return set(re.findall(r"stablehlo\.reduce.*?-> (tensor<[^>]*>)", stablehlo))
 
@@ -31,8 +38,7 @@ def test_the_pure_jax_form_is_chosen_for_the_platform_lowered_for():
   finishes those of the same length together; elsewhere it reduces each leaf whole
   (f32[3]). Decided when lowering, so it holds for a program lowered for another platform
   than this machine's, or for several."""
-  tree = {"a": jnp.ones((768, 64)), "b": jnp.ones((768,)), "c": jnp.ones((5, 2, 3))}
-  traced = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(tree)
+  traced = _traced_pure_jax_clip()
   by_rows = {"tensor<3x768xf32>", "tensor<3x5xf32>"}
   by_leaf = {"tensor<3xf32>"}
   for platforms, want, not_want in [(("cuda",), by_rows, by_leaf), (("cpu",), by_leaf, by_rows),
@@ -54,8 +60,7 @@ def test_the_cuda_form_fixes_its_kernels_with_barriers():
   sums of each length's stacked row sums, so that XLA does not fuse one of those
   reductions into the permutation back to the leaves' order, where one thread adds up a
   whole row (0.11-0.18 ms of the example's 120M step, docs/wall_clock.md)."""
-  tree = {"a": jnp.ones((768, 64)), "b": jnp.ones((768,)), "c": jnp.ones((5, 2, 3))}
-  traced = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(tree)
+  traced = _traced_pure_jax_clip()
   barriers = _barriers(traced.lower(lowering_platforms=("cuda",)).as_text())
   assert {"tensor<3x768xf32>", "tensor<3x5xf32>"} in barriers, barriers
   # Lengths 768 (a and b) and 5 (c): each length's leaves' three sums.
