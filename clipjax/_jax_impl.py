@@ -131,8 +131,8 @@ def row_sums(x, dtype=_F32):
 
 # The platforms where the pure-JAX clip finishes the leaves' row sums together
 # (`_sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums in a kernel of its
-# own. Measured on CUDA only; on CPUs it is slower (docs/wall_clock.md, "The pure-JAX
-# path's sums by rows").
+# own. Measured on CUDA only; on CPUs it is slower (docs/wall_clock_analysis.md, "The
+# pure-JAX path's sums by rows").
 ROW_SUM_PLATFORMS = ("cuda",)
 
 
