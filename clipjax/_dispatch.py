@@ -89,10 +89,10 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   `scale_by`: "kernel", "fused" or None (the norms only), as `_ffi.clip_call` takes it; the
   pure-JAX path always leaves the multiply to XLA. Which code runs is decided when
   lowering, per platform (`_jax_impl.per_platform`): the custom call on CUDA for
-  impl="auto" where it can run; where the pure-JAX clip sums by rows, that clip partitioned
-  per shard like the custom call (each device stacks its own leaves' row sums), unless a
-  leaf is sharded by its type (`_partition.explicitly_sharded`); elsewhere the pure-JAX
-  clip leaf by leaf, which XLA's partitioner splits like any reduction.
+  impl="auto" where it can run; where the pure-JAX clip sums by rows, that clip per shard
+  (`_partition.clip_by_rows`: each device stacks its own leaves' row sums), or leaf by leaf
+  where the leaves' layout is not known before partitioning; elsewhere the pure-JAX clip
+  leaf by leaf, which XLA's partitioner splits like any reduction.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
@@ -101,14 +101,13 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   def leaf_by_leaf(max_norm, *leaves):
     return _partition.pure_jax_clip(max_norm, leaves, by_rows=False, **kwargs)
 
-  def partitioned(impl):
-    return lambda max_norm, *leaves: _partition.flat_outputs(*_partition.partitioned_clip(
-        max_norm, list(leaves), impl=impl, **kwargs))
+  def custom_call(max_norm, *leaves):
+    return _partition.flat_outputs(*_partition.partitioned_clip(max_norm, list(leaves),
+                                                                impl="ffi", **kwargs))
 
-  by_rows = leaf_by_leaf if _partition.explicitly_sharded(leaves) else partitioned("jax")
-  custom_call = ({"cuda": partitioned("ffi")}
-                 if impl == "auto" and auto_has_custom_call(leaves) else {})
-  outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves, **custom_call)
+  by_rows = _partition.clip_by_rows(leaves, **kwargs) or leaf_by_leaf
+  on_cuda = ({"cuda": custom_call} if impl == "auto" and auto_has_custom_call(leaves) else {})
+  outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves, **on_cuda)
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

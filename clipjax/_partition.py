@@ -16,6 +16,9 @@ devices.
   floats per leaf over the axes each leaf is split on, then the scale);
 - with a single device (`_nothing_to_partition`) the whole call is traced directly.
 
+Leaves split by their types (Explicit mesh axes) must keep to them op by op: there the
+pure-JAX clip by rows runs in a `shard_map` over the types' specs instead (`clip_by_rows`).
+
 A dimension that its mesh axes do not divide is padded by the partitioner; its padding
 is masked to zero before the norm (one extra pass over that shard only).
 """
@@ -182,7 +185,7 @@ def _nothing_to_partition() -> bool:
   return jax.device_count() == 1 and mesh_size <= 1
 
 
-def explicitly_sharded(leaves) -> bool:
+def _split_by_type(leaves) -> bool:
   """Whether a leaf's type says it is split over a mesh axis (an Explicit axis): then each
   op on it must keep to its type's sharding, and the pure-JAX clip's row sums of leaves
   split in different ways cannot be stacked, whoever partitions the clip."""
@@ -192,6 +195,32 @@ def explicitly_sharded(leaves) -> bool:
     if explicit & set(jax.tree.leaves(tuple(sharding.spec))):
       return True
   return False
+
+
+def clip_by_rows(leaves, *, mode: str, on_nonfinite: str, scale_by):
+  """The pure-JAX clip by rows of `leaves` as they are laid out, per shard, as a function of
+  (max_norm, *leaves) -> flat outputs; None where it cannot run so.
+
+  - Leaves that their types do not split: `partitioned_clip`, which the partitioner runs on
+    each device's shards.
+  - Leaves split by their types, on one mesh whose axes are all Explicit: the clip in a
+    `shard_map` over the types' specs (`_shards.clip_in_shard_map`), each device stacking
+    its own row sums.
+  - None for leaves split by their types on a mesh that has Auto axes too, whose layout on
+    those axes only the partitioner knows: the caller sums each leaf whole.
+  """
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  if not _split_by_type(leaves):
+    return lambda max_norm, *xs: flat_outputs(*partitioned_clip(max_norm, list(xs),
+                                                                impl="jax", **kwargs))
+  known = [_shards.known_sharding(x) for x in leaves]
+  meshes = {k[0] for k in known if k is not None}
+  if None in known or len(meshes) != 1:
+    return None
+  mesh, specs = meshes.pop(), [spec for _, spec in known]
+  leaf_axes = [_shards.spec_axes(spec, f"#{i}") for i, spec in enumerate(specs)]
+  return lambda max_norm, *xs: flat_outputs(*_shards.clip_in_shard_map(
+      max_norm, list(xs), mesh, specs, leaf_axes, impl="jax", by_rows=True, **kwargs))
 
 
 def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: str, scale_by):

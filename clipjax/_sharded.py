@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from clipjax import _dispatch, _options, _shards
 from clipjax._options import ClipResult
@@ -40,28 +40,8 @@ def _leaf_specs(specs, tree):
   return per_leaf
 
 
-def _known_sharding(leaf):
-  """(mesh, spec) of a leaf whose sharding is known before lowering, else None.
-
-  A concrete array carries its NamedSharding. Inside jit the type holds the
-  sharding only on a mesh whose axes are all Explicit; on Auto axes it says
-  nothing about how XLA will lay the array out.
-  """
-  if not isinstance(leaf, jax.core.Tracer):
-    sharding = getattr(leaf, "sharding", None)
-    return (sharding.mesh, sharding.spec) if isinstance(sharding, NamedSharding) else None
-  typeof = getattr(jax, "typeof", None)
-  sharding = getattr(typeof(leaf), "sharding", None) if typeof else None
-  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
-    return None
-  explicit = jax.sharding.AxisType.Explicit
-  if any(t != explicit for t in sharding.mesh.axis_types):
-    return None
-  return sharding.mesh, sharding.spec
-
-
 def _mesh_and_specs(mesh, specs, tree, paths, leaves):
-  known = [_known_sharding(x) for x in leaves]
+  known = [_shards.known_sharding(x) for x in leaves]
   if specs is None:
     for path, k in zip(paths, known):
       if k is None:
@@ -122,13 +102,6 @@ def _check_specs_in_shard_map(paths, leaves, leaf_axes):
                        f"exactly the axes it is split over: {sorted(vma)}")
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-  from jax.experimental.shard_map import shard_map  # older jax
-  return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 # --- public entry points ---------------------------------------------------------------
 
 
@@ -183,19 +156,9 @@ def _sharded_clip_jitted(tree, max_norm, *, mesh, treedef, leaf_specs, impl, mod
 def run_in_shard_map(p, tree, *, mesh, specs, impl, mode, on_nonfinite, scale_by):
   """`_dispatch.run_whole`'s contract, in a `shard_map` of the clip's own."""
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
-  impl = _dispatch.shard_impl(impl, p.leaves)
-
-  def clip_on_device(max_norm, *shards):
-    out, norms, flags = _shards.clip_shards(max_norm, list(shards), leaf_axes, impl=impl,
-                                            mode=mode, on_nonfinite=on_nonfinite,
-                                            scale_by=scale_by)
-    return (out, norms, flags) if scale_by else (norms, flags)
-
-  replicated = PartitionSpec()
-  out_specs = (list(leaf_specs),) * bool(scale_by) + (replicated, replicated)
-  outs = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
-                    out_specs=out_specs)(p.max_norm, *p.leaves)
-  return tuple(outs) if scale_by else (None, *outs)
+  return _shards.clip_in_shard_map(p.max_norm, p.leaves, mesh, leaf_specs, leaf_axes,
+                                   impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
+                                   on_nonfinite=on_nonfinite, scale_by=scale_by)
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",

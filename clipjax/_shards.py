@@ -1,12 +1,12 @@
 """The clip as one device sees it: its own shards in, its clipped shards out.
 
-Both sharded entry points end here: the partitioned custom call that the plain
-`andrea_clip` becomes under `jax.jit` on sharded gradients (`_partition.py`), and
-the explicit `shard_map` forms (`_sharded.py`). Leaves are grouped by the set of
-mesh axes they are sharded on, one norm pass per group; a group's shard norms are
-combined over exactly its axes (a replicated leaf is whole on every device, so it
-is not summed again); then every device takes the same decision and scales its own
-shards:
+Every sharded clip ends here: the partitioned clip that the plain `andrea_clip` becomes
+under `jax.jit` on sharded gradients (`_partition.py`), in a `shard_map` over the
+leaves' types where those are sharded by Explicit mesh axes, and the explicit
+`shard_map` forms (`_sharded.py`). Leaves are grouped by the set of mesh axes they are
+sharded on, one norm pass per group; a group's shard norms are combined over exactly its
+axes (a replicated leaf is whole on every device, so it is not summed again); then every
+device takes the same decision and scales its own shards:
 
   whole norm  = sqrt(psum over the group's axes of shard norm^2)
                 (for each leaf, and for all the group's shards together)
@@ -21,10 +21,11 @@ leaf and per norm call in the set (a call takes at most `_ffi.MAX_LEAVES_PER_CAL
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from clipjax import _ffi, _jax_impl
 
@@ -43,6 +44,26 @@ def spec_axes(spec, where: str) -> tuple:
       if name is not None and name not in axes:
         axes.append(name)
   return tuple(axes)
+
+
+def known_sharding(leaf):
+  """(mesh, spec) of a leaf whose sharding is known before lowering, else None.
+
+  A concrete array carries its NamedSharding. Inside jit the type holds the
+  sharding only on a mesh whose axes are all Explicit; on Auto axes it says
+  nothing about how XLA will lay the array out.
+  """
+  if not isinstance(leaf, jax.core.Tracer):
+    sharding = getattr(leaf, "sharding", None)
+    return (sharding.mesh, sharding.spec) if isinstance(sharding, NamedSharding) else None
+  typeof = getattr(jax, "typeof", None)
+  sharding = getattr(typeof(leaf), "sharding", None) if typeof else None
+  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  if any(t != explicit for t in sharding.mesh.axis_types):
+    return None
+  return sharding.mesh, sharding.spec
 
 
 def _whole_leaf_norms(shard_norms, axes):
@@ -140,3 +161,31 @@ def _norms(impl, max_norm, leaves, mode, by_rows):
     return _ffi.clip_call(max_norm, leaves, mode=mode, on_nonfinite="propagate", scale_by=None)
   return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite="propagate",
                                scale_leaves=False, by_rows=by_rows)
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  from jax.experimental.shard_map import shard_map  # older jax
+  return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def clip_in_shard_map(max_norm, leaves, mesh, leaf_specs, leaf_axes, *, impl: str, mode: str,
+                      on_nonfinite: str, scale_by, by_rows=None):
+  """`clip_shards` in a `shard_map` over `mesh`, each leaf laid out as its spec in
+  `leaf_specs` says (`leaf_axes`: the axes each names); the clipped leaves come out laid
+  out as they came, the norms and flags replicated.
+
+  Returns (out_leaves or None, norms, flags) as `clip_shards` does.
+  """
+  def clip_on_device(max_norm, *shards):
+    out, norms, flags = clip_shards(max_norm, list(shards), leaf_axes, impl=impl, mode=mode,
+                                    on_nonfinite=on_nonfinite, scale_by=scale_by,
+                                    by_rows=by_rows)
+    return (out, norms, flags) if scale_by else (norms, flags)
+
+  replicated = PartitionSpec()
+  out_specs = (list(leaf_specs),) * bool(scale_by) + (replicated, replicated)
+  outs = _shard_map(clip_on_device, mesh, in_specs=(replicated, *leaf_specs),
+                    out_specs=out_specs)(max_norm, *leaves)
+  return tuple(outs) if scale_by else (None, *outs)

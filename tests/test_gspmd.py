@@ -37,9 +37,10 @@ def impl(request):
   return impl_named(request.param, request)
 
 
-def _mesh(axis_type=AxisType.Auto):
+def _mesh(fsdp=AxisType.Auto, tp=None):
+  """The ("fsdp", "tp") mesh, its axes of these types (tp of fsdp's unless given)."""
   n = jax.device_count()
-  return jax.make_mesh((n // 2, 2), ("fsdp", "tp"), axis_types=(axis_type,) * 2)
+  return jax.make_mesh((n // 2, 2), ("fsdp", "tp"), axis_types=(fsdp, tp or fsdp))
 
 
 def _layout(n):
@@ -151,16 +152,51 @@ def test_the_custom_call_is_traced_for_the_partitioner(devices):
   assert "custom_partitioning" in text
 
 
-def test_the_pure_jax_clip_is_partitioned_per_shard_where_lowered_for_cuda(devices):
-  """On CUDA the pure-JAX clip stacks each device's own row sums, in a clip partitioned
-  per shard like the custom call; lowered for the CPU, XLA partitions it, leaf by leaf."""
-  mesh, layout = _mesh(), _layout(devices)
-  sharded = _put(_tree(layout, seed=5), mesh, _specs(layout))
+# Which form of the pure-JAX clip each lowering holds, by the mesh's axis types: on Auto
+# axes, the clip partitioned per shard (custom_partitioning); on Explicit ones, in a
+# shard_map over the leaves' types; where Explicit and Auto axes mix, leaf by leaf, since
+# only the partitioner knows the layout on the Auto ones.
+PER_SHARD_FORMS = {
+    "auto": ((AxisType.Auto, AxisType.Auto), "CustomSPMDPartitioning"),
+    "explicit": ((AxisType.Explicit, AxisType.Explicit), "manual"),
+    "mixed": ((AxisType.Explicit, AxisType.Auto), None),
+}
+LOWERED_FORMS = {"CustomSPMDPartitioning": ("CustomSPMDPartitioning",),
+                 "manual": ("sdy.manual_computation", "SPMDFullToShardShape")}
+
+
+@pytest.mark.parametrize("axes", list(PER_SHARD_FORMS))
+def test_the_pure_jax_clip_is_partitioned_per_shard_where_lowered_for_cuda(devices, axes):
+  """On CUDA the pure-JAX clip stacks each device's own row sums, in a clip partitioned per
+  shard like the custom call, or in a shard_map over the types' specs; lowered for the CPU,
+  XLA partitions it, leaf by leaf. Its norm is the whole tree's in every form."""
+  axis_types, want = PER_SHARD_FORMS[axes]
+  mesh, layout = _mesh(*axis_types), _layout(devices)
+  grads = _tree(layout, seed=5)
+  sharded = _put(grads, mesh, _specs(layout))
   clip = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates).trace(sharded)
-  partitioned = {platform: "CustomSPMDPartitioning" in clip.lower(
-                     lowering_platforms=(platform,)).as_text()
-                 for platform in ("cuda", "cpu")}
-  assert partitioned == {"cuda": True, "cpu": False}
+  found = {}
+  for platform in ("cuda", "cpu"):
+    text = clip.lower(lowering_platforms=(platform,)).as_text()
+    found[platform] = [form for form, marks in LOWERED_FORMS.items()
+                       if any(m in text for m in marks)]
+  assert found == {"cuda": [want] if want else [], "cpu": []}, found
+
+
+@pytest.mark.parametrize("axes", list(PER_SHARD_FORMS))
+def test_each_form_of_the_pure_jax_clip_by_rows_keeps_shards(devices, axes, sum_by_rows_here):
+  """The forms of PER_SHARD_FORMS, run (the CPU made to take CUDA's): the whole tree's norm,
+  each leaf's, the updates sharded as they came, and no gradient-sized collective."""
+  mesh, layout = _mesh(*PER_SHARD_FORMS[axes][0]), _layout(devices)
+  specs, grads = _specs(layout), _tree(layout, seed=6)
+  clip = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax"))
+  sharded = _put(grads, mesh, specs)
+  _assert_only_small_all_reduces(clip.lower(sharded).compile().as_text(), len(grads))
+  result = clip(sharded)
+  _assert_sharded_as(result.updates, mesh, specs)
+  np.testing.assert_allclose(float(result.global_norm), f64_norm(grads), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(result.leaf_norms),
+                             [f64_norm(grads[k]) for k in sorted(grads)], rtol=1e-6)
 
 
 def test_vmap_over_sharded_trees_clips_each_tree(devices, impl):
