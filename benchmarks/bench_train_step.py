@@ -21,6 +21,13 @@ same round, so that drift between rounds cancels). adamw alone compiled a second
 ("none_again", a control) shows how far two runs of one program differ on each clock.
 Python's garbage collector is off while a round is timed.
 
+Each clip's step is then held to the targets of docs/wall_clock.md (TARGETS): wall within 2%
+of adamw alone, no slower than optax's chain, host within 5% of adamw alone, each on the
+paired ratio. A verdict reads the 95% interval of that ratio's median (benchlib.timing.
+median_interval): "met" where all of it is within the bound, "not met" where none of it is,
+"cannot tell" where the rounds cannot resolve it (more rounds narrow the interval). The
+control is read against adamw alone too, as a measure of what the rounds resolve.
+
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.
 
@@ -90,6 +97,11 @@ TORCH_VARIANTS = {
 }
 LABELS = {k: v[0] for k, v in {**VARIANTS, **TORCH_VARIANTS}.items()}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+# The targets a clip's step is held to (docs/wall_clock.md): (what, clock, the variant it is
+# paired with, the bound on the median of the rounds' ratios).
+TARGETS = (("wall vs adamw alone", "wall", "none", 1.02),
+           ("wall vs optax's chain", "wall", "optax", 1.0),
+           ("host vs adamw alone", "host", "none", 1.05))
 PROFILED_STEPS = 5
 DEFAULT_CASES = ("andrea-120m:1:f32,andrea-120m:1:bf16,andrea-120m:4:f32,andrea-120m:4:bf16,"
                  "andrea-120m:16:f32,andrea-120m:16:bf16,andrea-12m:4:f32,andrea-12m:4:bf16,"
@@ -125,7 +137,7 @@ def parse_args(argv=None):
   p.add_argument("--quick", action="store_true", help="the tiny model, few steps: a CPU run")
   args = p.parse_args(argv)
   if args.quick:
-    args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 2
+    args.cases, args.context_length, args.steps, args.rounds = "tiny:2:f32,tiny:2:bf16", 64, 3, 6
     args.host_steps = 2
   if min(args.steps, args.rounds, args.host_steps) < 1:
     p.error("--steps, --rounds and --host-steps must be at least 1")
@@ -278,9 +290,45 @@ def bench_case(name, batch, dtype, args, torch):
       for k in clocks:
         row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
       for k in ("wall", "host"):
-        row[f"{k}_paired_vs_adamw"] = timing.spread([a / b for a, b in zip(row[f"{k}_ms"]["rounds"],
-                                                                     base[f"{k}_ms"]["rounds"])])
+        ratios = paired_ratios(row, base, k)
+        row[f"{k}_paired_vs_adamw"] = {**timing.spread(ratios),
+                                       "interval": timing.median_interval(ratios)}
   return rows
+
+
+def paired_ratios(row, base, clock):
+  """Each round's time of `row` on `clock` over `base`'s in the same round."""
+  return [a / b for a, b in zip(row[f"{clock}_ms"]["rounds"], base[f"{clock}_ms"]["rounds"])]
+
+
+def target_verdicts(rows):
+  """Each clip's step in a case's rows against the targets (TARGETS), and the control
+  against those on adamw alone: the median of the paired ratios, its 95% interval
+  (`timing.median_interval`) and whether the interval is within the bound. The control,
+  the same program as adamw alone, shows what the rounds can resolve."""
+  by_variant = {r["variant"]: r for r in rows}
+  out = []
+  for row in rows:
+    for target, clock, peer, bound in TARGETS:
+      if peer not in by_variant or not (row["variant"].startswith("andrea") or (
+          row["variant"] == "none_again" and peer == "none")):
+        continue
+      ratios = paired_ratios(row, by_variant[peer], clock)
+      interval = timing.median_interval(ratios)
+      out.append({**{k: row[k] for k in ("model", "batch", "dtype", "variant", "label")},
+                  "target": target, "bound": bound, "median": statistics.median(ratios),
+                  "interval": interval, "verdict": timing.verdict(interval, bound)})
+  return out
+
+
+def verdicts_text(verdicts):
+  lines = []
+  for v in verdicts:
+    interval = v["interval"]
+    within = f" [{interval[0]:.3f}-{interval[1]:.3f}]" if interval else ""
+    lines.append(f"{v['model']} B{v['batch']} {v['dtype']}, {v['label']}: {v['target']} "
+                 f"{v['median']:.3f}{within} <= {v['bound']:g}: {v['verdict']}")
+  return "\n".join(lines)
 
 
 def table(rows):
@@ -319,7 +367,7 @@ def main(argv=None):
   meta = tables.run_metadata(args)
   out = args.out or tables.default_out_path("bench_train_step", meta)
   skipped = dict.fromkeys(torch_variants, why) if torch is None else {}
-  results = {"meta": meta, "rows": [], "skipped": skipped}
+  results = {"meta": meta, "rows": [], "targets": [], "skipped": skipped}
   for name, batch, dtype in args.cases:
     if args.max_seconds and log.elapsed() > args.max_seconds:
       log(f"time budget spent: skipping {name} batch {batch} {dtype}")
@@ -329,6 +377,11 @@ def main(argv=None):
     case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
                  (name, batch, dtype)]
     print(table(case_rows), flush=True)
+    verdicts = target_verdicts(case_rows)
+    results["targets"] += verdicts
+    if verdicts:
+      print("targets (paired ratio, its 95% interval, the bound):\n" + verdicts_text(verdicts),
+            flush=True)
     for row in case_rows[:len(case_rows) if args.host_events else 0]:
       events = list(row["host_ms_by_event"].items())[:args.host_events]
       print(f"host ms per step by event, {row['label']}: " +
@@ -342,6 +395,9 @@ def main(argv=None):
               "(class: kernels there, here; us more): " + "; ".join(
                   f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in deltas), flush=True)
   print(table(results["rows"]))
+  if results["targets"]:
+    print("targets (paired ratio, its 95% interval, the bound):\n" +
+          verdicts_text(results["targets"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")
   tables.save_json(results, out, complete=True)

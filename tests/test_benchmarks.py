@@ -3,6 +3,7 @@ benchmark's --quick run prints its tables and writes JSON whose numbers agree wi
 other and whose clips agree with float64 (and so with optax's)."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -230,6 +231,17 @@ def test_bench_train_step_quick(tmp_path):
       assert row["hlo"] == alone["hlo"] and row["wall_ms"]["rounds"] != alone["wall_ms"]["rounds"]
     if row["variant"].startswith("andrea"):
       assert row["global_norm"] > 0
+  # Each clip's step and the control against the targets, on their paired ratios.
+  for v in results["targets"]:
+    low, high, coverage = v["interval"]  # 6 rounds: the lowest and highest, 97% coverage
+    assert low <= v["median"] <= high and coverage >= 0.95
+    assert v["verdict"] == timing.verdict(v["interval"], v["bound"])
+  assert {(v["dtype"], v["variant"], v["target"]) for v in results["targets"]} == {
+      (d, c, t) for d in ("f32", "bf16") for c in variants[2:]
+      for t in ("wall vs adamw alone", "wall vs optax's chain", "host vs adamw alone")
+      if c != "optax"} | {(d, "none_again", t) for d in ("f32", "bf16")
+                          for t in ("wall vs adamw alone", "host vs adamw alone")}
+  assert "targets (paired ratio, its 95% interval, the bound)" in stdout
 
 
 def test_torch_gpt_is_the_example_model():
@@ -294,6 +306,47 @@ def test_interleaved_rounds_rotate_the_order_with_the_collector_off():
   got = timing.interleaved_rounds("abc", 3, measure)
   assert order == list("abcbcacab") and gc.isenabled()
   assert got == {"a": [1, 6, 8], "b": [2, 4, 9], "c": [3, 5, 7]}
+
+
+@pytest.mark.parametrize("n, ranks", [(6, (1, 6)), (20, (6, 15)), (40, (14, 27)), (100, (40, 61))])
+def test_median_interval_is_the_order_statistics_of_the_binomial_table(n, ranks):
+  """The distribution-free 95% interval for a median: the ranks of the standard table, its
+  coverage at least 95%, and the next narrower pair of ranks below 95%."""
+  values = [float(v) for v in range(1, n + 1)][::-1]  # in any order
+  low, high, coverage = timing.median_interval(values)
+  assert (low, high) == ranks and 0.95 <= coverage < 1
+  k = ranks[0] + 1  # one rank in from each end
+  inside = sum(math.comb(n, j) for j in range(k, n - k + 1)) / 2**n
+  assert inside < 0.95
+  assert timing.median_interval(values[:5]) is None  # 2 * 2**-5 > 5%: no interval
+
+
+@pytest.mark.parametrize("interval, want", [((0.99, 1.019, 0.96), "met"),
+                                            ((1.021, 1.05, 0.96), "not met"),
+                                            ((1.01, 1.03, 0.96), "cannot tell"),
+                                            (None, "too few rounds")])
+def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_bound(interval, want):
+  assert timing.verdict(interval, 1.02) == want
+
+
+def test_target_verdicts_pair_each_round_with_its_peer():
+  """bench_train_step's verdicts: every clip's step and the control, each against its peer
+  in the same round, on the clock the target names."""
+  bench = load_script("benchmarks/bench_train_step.py")
+  flat = lambda v: {"rounds": [v] * 10}  # noqa: E731
+  rows = [{"model": "m", "batch": 1, "dtype": "f32", "variant": v, "label": v,
+           "wall_ms": flat(w), "host_ms": flat(h)}
+          for v, w, h in (("none", 10.0, 8.0), ("none_again", 10.1, 8.0),
+                          ("andrea", 10.3, 8.2), ("optax", 10.4, 9.0))]
+  rows[2]["wall_ms"] = {"rounds": [10.1 + 0.05 * i for i in range(10)]}  # 1.010-1.055
+  got = {(v["variant"], v["target"]): v for v in bench.target_verdicts(rows)}
+  assert set(got) == {("none_again", "wall vs adamw alone"), ("none_again", "host vs adamw alone"),
+                      ("andrea", "wall vs adamw alone"), ("andrea", "wall vs optax's chain"),
+                      ("andrea", "host vs adamw alone")}
+  assert got["none_again", "wall vs adamw alone"]["verdict"] == "met"  # 1.01 every round
+  wall = got["andrea", "wall vs adamw alone"]
+  assert wall["median"] == pytest.approx(1.0325) and wall["verdict"] == "cannot tell"
+  assert got["andrea", "host vs adamw alone"]["verdict"] == "met"  # 1.025 <= 1.05
 
 
 @pytest.mark.parametrize("impl", ["ffi", "optax"])

@@ -70,6 +70,34 @@ def spread(values):
           "rounds": values}
 
 
+def median_interval(values, confidence=0.95):
+  """(low, high, coverage): an interval that holds the median of the values' population
+  with probability `coverage` >= `confidence`, taking the rounds as independent draws (a
+  paired ratio's rounds, whose shared drift cancels): the k-th lowest and k-th highest
+  values, k the largest with 2 P(Binomial(n, 1/2) < k) <= 1 - confidence. No assumption on
+  the distribution's shape. None for too few values (below 6 for 95%)."""
+  n = len(values)
+  tail, k = 0.0, 0  # tail: P(Binomial(n, 1/2) < k + 1)
+  while k < n:
+    step = math.comb(n, k) / 2.0**n
+    if 2 * (tail + step) > 1 - confidence:
+      break
+    tail, k = tail + step, k + 1
+  if k == 0:
+    return None
+  ordered = sorted(values)
+  return ordered[k - 1], ordered[n - k], 1 - 2 * tail
+
+
+def verdict(interval, bound):
+  """Whether a ratio whose median lies in `interval` (`median_interval`) is at most `bound`:
+  "met" where the whole interval is, "not met" where none of it is, else "cannot tell"."""
+  if interval is None:
+    return "too few rounds"
+  low, high, _ = interval
+  return "met" if high <= bound else "not met" if low > bound else "cannot tell"
+
+
 def interleaved_rounds(items, rounds, measure):
   """{item: [measure(item) in each round]}: every round measures each item once, in an order
   that rotates by one item a round (so that drift hits each alike), with Python's garbage
