@@ -290,9 +290,7 @@ def bench_case(name, batch, dtype, args, torch):
       for k in clocks:
         row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
       for k in ("wall", "host"):
-        ratios = paired_ratios(row, base, k)
-        row[f"{k}_paired_vs_adamw"] = {**timing.spread(ratios),
-                                       "interval": timing.median_interval(ratios)}
+        row[f"{k}_paired_vs_adamw"] = timing.spread(paired_ratios(row, base, k))
   return rows
 
 
@@ -322,7 +320,7 @@ def target_verdicts(rows):
 
 
 def verdicts_text(verdicts):
-  lines = []
+  lines = ["targets (paired ratio, its 95% interval, the bound):"]
   for v in verdicts:
     interval = v["interval"]
     within = f" [{interval[0]:.3f}-{interval[1]:.3f}]" if interval else ""
@@ -380,8 +378,7 @@ def main(argv=None):
     verdicts = target_verdicts(case_rows)
     results["targets"] += verdicts
     if verdicts:
-      print("targets (paired ratio, its 95% interval, the bound):\n" + verdicts_text(verdicts),
-            flush=True)
+      print(verdicts_text(verdicts), flush=True)
     for row in case_rows[:len(case_rows) if args.host_events else 0]:
       events = list(row["host_ms_by_event"].items())[:args.host_events]
       print(f"host ms per step by event, {row['label']}: " +
@@ -396,8 +393,7 @@ def main(argv=None):
                   f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in deltas), flush=True)
   print(table(results["rows"]))
   if results["targets"]:
-    print("targets (paired ratio, its 95% interval, the bound):\n" +
-          verdicts_text(results["targets"]))
+    print(verdicts_text(results["targets"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")
   tables.save_json(results, out, complete=True)
