@@ -25,7 +25,6 @@ The arithmetic is float32, or float64 for a tree with a float64 (or complex128) 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

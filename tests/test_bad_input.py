@@ -6,8 +6,11 @@ import numpy as np
 import optax
 import pytest
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 import clipjax
 from clipjax import _dispatch, _native
+from conftest import f64_norm
 
 
 @pytest.mark.parametrize("max_norm", [0.0, -1.0, float("nan"), float("inf"), -float("inf"), True])
@@ -133,3 +136,55 @@ def test_an_invalid_traced_max_norm_never_flips_the_updates(impl, on_nonfinite, 
   out, state = jax.jit(tx.update)({"g": jnp.array([-0.6, -0.8])}, state)
   np.testing.assert_array_equal(np.abs(np.asarray(out["g"])), [want, want])
   assert int(state.inner_state.nonfinite_count) == 1
+
+
+# --- the sharded forms' specs ----------------------------------------------------------
+# On a mesh of one device: what a spec names is checked before any device is used.
+
+
+def _one_device_mesh(*names):
+  return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+
+
+def _put(tree, mesh, specs):
+  return {k: jax.device_put(v, NamedSharding(mesh, specs[k] if isinstance(specs, dict) else specs))
+          for k, v in tree.items()}
+
+
+def test_bad_specs_are_named():
+  mesh = _one_device_mesh("data")
+  tree = {"w": jnp.ones((8, 2)), "b": jnp.ones((3,))}
+  with pytest.raises(ValueError, match="specs"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh, specs={"w": P("data")})
+  with pytest.raises(ValueError, match=r"\['model'\].*does not have"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh, specs={"w": P("model"), "b": P()})
+  with pytest.raises(TypeError, match=r"\['w'\].*PartitionSpec"):
+    clipjax.sharded_clip_tree(tree, 1.0, mesh=mesh,
+                              specs={"w": NamedSharding(mesh, P()), "b": P()})
+  with pytest.raises(ValueError, match="specs="):  # Auto axes: the type says nothing
+    jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh))(_put(tree, mesh, P()))
+  with pytest.raises(ValueError, match="specs="):
+    clipjax.clip_tree_in_shard_map(tree, 1.0, specs=None)
+  empty = clipjax.sharded_clip_tree({}, 1.0, mesh=mesh, specs=P())
+  assert empty.updates == {} and float(empty.global_norm) == 0.0
+
+
+def _in_shard_map(tree, mesh, in_specs, clip_specs):
+  step = lambda g: clipjax.clip_tree_in_shard_map(g, 1.0, specs=clip_specs).global_norm
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(in_specs,), out_specs=P()))(
+      _put(tree, mesh, in_specs))
+
+
+def test_inside_shard_map_a_spec_that_misses_an_axis_is_named():
+  """shard_map tracks the mesh axes each value varies over, even axes of size 1."""
+  mesh = _one_device_mesh("data", "model")
+  tree = {"w": jnp.arange(32.0).reshape(4, 8), "b": jnp.ones((5,))}
+  in_specs = {"w": P("data", "model"), "b": P()}
+  with pytest.raises(ValueError, match=r"\['w'\] varies over mesh axes \['model'\]"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("data"), "b": P()})
+  with pytest.raises(ValueError, match=r"\['b'\] is the same on every device along \['data'\]"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("data", "model"), "b": P("data")})
+  with pytest.raises(ValueError, match=r"\['w'\] names mesh axis 'fsdp'"):
+    _in_shard_map(tree, mesh, in_specs, {"w": P("fsdp", "model"), "b": P()})
+  good = _in_shard_map(tree, mesh, in_specs, in_specs)
+  np.testing.assert_allclose(float(good), f64_norm(tree), rtol=1e-6)
