@@ -111,6 +111,27 @@ def run_file_on_cpu_devices(test_file, count):
   run_pytest_on_cpu_devices(test_file, count, {_DEVICES_ENV: str(count)})
 
 
+def multi_device_file(test_file):
+  """What a file of multi-device tests declares first: `test_on_cpu_devices, impl =
+  multi_device_file(__file__)`.
+
+  - test_on_cpu_devices, in the slow set: the file again in a subprocess of its own on 4
+    CPU devices (a 2 x 2 mesh: both axes split), on 8, and on 2 (a size-1 first axis), by
+    `run_file_on_cpu_devices`;
+  - impl: a fixture that gives each of SHARDED_IMPLS in turn.
+  """
+  @pytest.mark.slow
+  @pytest.mark.parametrize("count", [4, 8, 2])
+  def test_on_cpu_devices(count):
+    run_file_on_cpu_devices(test_file, count)
+
+  @pytest.fixture(params=SHARDED_IMPLS)
+  def impl(request):
+    return impl_named(request.param, request)
+
+  return test_on_cpu_devices, impl
+
+
 @pytest.fixture
 def devices():
   """The device count n, where it is even and at least 2."""

@@ -23,20 +23,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import clipjax
-from conftest import (SHARDED_IMPLS, compiled_collectives, f64_norm, impl_named,
-                      run_file_on_cpu_devices)
+from conftest import compiled_collectives, f64_norm, multi_device_file
 
-# On 4 devices (a 2 x 2 mesh: both axes split), 8 and 2 (a size-1 data axis): the slow set,
-# each count a subprocess of its own.
-@pytest.mark.slow
-@pytest.mark.parametrize("count", [4, 8, 2])
-def test_on_cpu_devices(count):
-  run_file_on_cpu_devices(__file__, count)
-
-
-@pytest.fixture(params=SHARDED_IMPLS)
-def impl(request):
-  return impl_named(request.param, request)
+test_on_cpu_devices, impl = multi_device_file(__file__)
 
 
 def _mesh(shape, names, axis_type=AxisType.Auto):
