@@ -332,6 +332,7 @@ def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_bound(interval, w
 def test_target_verdicts_pair_each_round_with_its_peer():
   """bench_train_step's verdicts: every clip's step and the control, each against its peer
   in the same round, on the clock the target names."""
+  pytest.importorskip("flax")  # the script imports the example's model
   bench = load_script("benchmarks/bench_train_step.py")
   flat = lambda v: {"rounds": [v] * 10}  # noqa: E731
   rows = [{"model": "m", "batch": 1, "dtype": "f32", "variant": v, "label": v,
