@@ -21,7 +21,7 @@ same round, so that drift between rounds cancels). adamw alone compiled a second
 ("none_again", a control) shows how far two runs of one program differ on each clock.
 Python's garbage collector is off while a round is timed.
 
-Each clip's step is then held to the targets of docs/wall_clock.md (TARGETS): wall within 2%
+Each clip's step is then held to the targets of docs/wall_clock.md (benchlib.targets): wall within 2%
 of adamw alone, no slower than optax's chain, host within 5% of adamw alone, each on the
 paired ratio. A verdict reads the 95% interval of that ratio's median (benchlib.timing.
 median_interval): "met" where all of it is within the bound, "not met" where none of it is,
@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchlib import profiling, tables, timing
+from benchlib import profiling, tables, targets, timing
 from benchlib.cli import Log, choices
 from benchlib.torch_baseline import import_torch
 from benchlib.torch_gpt import TorchRunner
@@ -99,11 +99,6 @@ TORCH_VARIANTS = {
 }
 LABELS = {k: v[0] for k, v in {**VARIANTS, **TORCH_VARIANTS}.items()}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-# The targets a clip's step is held to (docs/wall_clock.md): (what, clock, the variant it is
-# paired with, the bound on the median of the rounds' ratios).
-TARGETS = (("wall vs adamw alone", "wall", "none", 1.02),
-           ("wall vs optax's chain", "wall", "optax", 1.0),
-           ("host vs adamw alone", "host", "none", 1.05))
 PROFILED_STEPS = 5
 DEFAULT_CASES = ("andrea-120m:1:f32,andrea-120m:1:bf16,andrea-120m:4:f32,andrea-120m:4:bf16,"
                  "andrea-120m:16:f32,andrea-120m:16:bf16,andrea-12m:4:f32,andrea-12m:4:bf16,"
@@ -292,43 +287,8 @@ def bench_case(name, batch, dtype, args, torch):
       for k in clocks:
         row[f"{k}_vs_adamw"] = row[f"{k}_ms"]["median"] / base[f"{k}_ms"]["median"]
       for k in ("wall", "host"):
-        row[f"{k}_paired_vs_adamw"] = timing.spread(paired_ratios(row, base, k))
+        row[f"{k}_paired_vs_adamw"] = timing.spread(targets.paired_ratios(row, base, k))
   return rows
-
-
-def paired_ratios(row, base, clock):
-  """Each round's time of `row` on `clock` over `base`'s in the same round."""
-  return [a / b for a, b in zip(row[f"{clock}_ms"]["rounds"], base[f"{clock}_ms"]["rounds"])]
-
-
-def target_verdicts(rows):
-  """Each clip's step in a case's rows against the targets (TARGETS), and the control
-  against those on adamw alone: the median of the paired ratios, its 95% interval
-  (`timing.median_interval`) and whether the interval is within the bound. The control,
-  the same program as adamw alone, shows what the rounds can resolve."""
-  by_variant = {r["variant"]: r for r in rows}
-  out = []
-  for row in rows:
-    for target, clock, peer, bound in TARGETS:
-      if peer not in by_variant or not (row["variant"].startswith("andrea") or (
-          row["variant"] == "none_again" and peer == "none")):
-        continue
-      ratios = paired_ratios(row, by_variant[peer], clock)
-      interval = timing.median_interval(ratios)
-      out.append({**{k: row[k] for k in ("model", "batch", "dtype", "variant", "label")},
-                  "target": target, "bound": bound, "median": statistics.median(ratios),
-                  "interval": interval, "verdict": timing.verdict(interval, bound)})
-  return out
-
-
-def verdicts_text(verdicts):
-  lines = ["targets (paired ratio, its 95% interval, the bound):"]
-  for v in verdicts:
-    interval = v["interval"]
-    within = f" [{interval[0]:.3f}-{interval[1]:.3f}]" if interval else ""
-    lines.append(f"{v['model']} B{v['batch']} {v['dtype']}, {v['label']}: {v['target']} "
-                 f"{v['median']:.3f}{within} <= {v['bound']:g}: {v['verdict']}")
-  return "\n".join(lines)
 
 
 def table(rows):
@@ -377,10 +337,10 @@ def main(argv=None):
     case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
                  (name, batch, dtype)]
     print(table(case_rows), flush=True)
-    verdicts = target_verdicts(case_rows)
+    verdicts = targets.target_verdicts(case_rows)
     results["targets"] += verdicts
     if verdicts:
-      print(verdicts_text(verdicts), flush=True)
+      print(targets.verdicts_text(verdicts), flush=True)
     for row in case_rows[:len(case_rows) if args.host_events else 0]:
       events = list(row["host_ms_by_event"].items())[:args.host_events]
       print(f"host ms per step by event, {row['label']}: " +
@@ -395,7 +355,7 @@ def main(argv=None):
                   f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in deltas), flush=True)
   print(table(results["rows"]))
   if results["targets"]:
-    print(verdicts_text(results["targets"]))
+    print(targets.verdicts_text(results["targets"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")
   tables.save_json(results, out, complete=True)

@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchlib import clips, timing, trees  # noqa: E402
+from benchlib import clips, targets, timing, trees  # noqa: E402
 from conftest import load_script  # noqa: E402
 from watched import run_watched  # noqa: E402
 
@@ -332,15 +332,13 @@ def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_bound(interval, w
 def test_target_verdicts_pair_each_round_with_its_peer():
   """bench_train_step's verdicts: every clip's step and the control, each against its peer
   in the same round, on the clock the target names."""
-  pytest.importorskip("flax")  # the script imports the example's model
-  bench = load_script("benchmarks/bench_train_step.py")
   flat = lambda v: {"rounds": [v] * 10}  # noqa: E731
   rows = [{"model": "m", "batch": 1, "dtype": "f32", "variant": v, "label": v,
            "wall_ms": flat(w), "host_ms": flat(h)}
           for v, w, h in (("none", 10.0, 8.0), ("none_again", 10.1, 8.0),
                           ("andrea", 10.3, 8.2), ("optax", 10.4, 9.0))]
   rows[2]["wall_ms"] = {"rounds": [10.1 + 0.05 * i for i in range(10)]}  # 1.010-1.055
-  got = {(v["variant"], v["target"]): v for v in bench.target_verdicts(rows)}
+  got = {(v["variant"], v["target"]): v for v in targets.target_verdicts(rows)}
   assert set(got) == {("none_again", "wall vs adamw alone"), ("none_again", "host vs adamw alone"),
                       ("andrea", "wall vs adamw alone"), ("andrea", "wall vs optax's chain"),
                       ("andrea", "host vs adamw alone")}
