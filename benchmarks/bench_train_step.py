@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchlib import profiling, tables, targets, timing
+from benchlib import profiling, state_split, tables, targets, timing
 from benchlib.cli import Log, choices
 from benchlib.torch_baseline import import_torch
 from benchlib.torch_gpt import TorchRunner
@@ -91,6 +91,10 @@ VARIANTS = {
     "andrea_fused": ("andrea_clip(scale=fused)", lambda m: clipjax.andrea_clip(m, scale="fused")),
     "andrea_jax": ("andrea_clip(impl=jax)", lambda m: clipjax.andrea_clip(m, impl="jax")),
     "optax": ("clip_by_global_norm + adamw", optax.clip_by_global_norm),
+    # The clip's cost split in two (benchlib.state_split): its state's arrays without the
+    # clip, and the clip without its state.
+    "none_state": ("adamw + clip-like state", state_split.carried_like_clip),
+    "andrea_nostate": ("andrea_clip, no state kept", state_split.clip_without_state),
 }
 # torch's step on the same model: (label, clip_grad_norm_'s max_norm or None).
 TORCH_VARIANTS = {

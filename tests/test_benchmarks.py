@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchlib import clips, targets, timing, trees  # noqa: E402
+from benchlib import clips, state_split, targets, timing, trees  # noqa: E402
 from conftest import load_script  # noqa: E402
 from watched import run_watched  # noqa: E402
 
@@ -346,6 +346,31 @@ def test_target_verdicts_pair_each_round_with_its_peer():
   wall = got["andrea", "wall vs adamw alone"]
   assert wall["median"] == pytest.approx(1.0325) and wall["verdict"] == "cannot tell"
   assert got["andrea", "host vs adamw alone"]["verdict"] == "met"  # 1.025 <= 1.05
+
+
+def test_the_state_split_holds_the_clips_state_or_its_updates_and_not_both():
+  """bench_train_step's two halves of the clip: one carries arrays like the clip state and
+  leaves the updates alone, the other clips with no state carried."""
+  import jax
+  import jax.numpy as jnp
+  import clipjax
+  grads = {"w": jnp.full((3, 4), 2.0), "b": jnp.arange(4.0)}
+  clip = clipjax.andrea_clip(1.0)
+  want_updates, want_state = clip.update(grads, clip.init(grads))
+
+  carried = state_split.carried_like_clip(1.0)
+  state = carried.init(grads)
+  assert [(x.shape, x.dtype) for x in state] == [(x.shape, x.dtype) for x in want_state]
+  updates, new = jax.jit(carried.update)(grads, state)
+  assert jax.tree.all(jax.tree.map(jnp.array_equal, updates, grads))
+  assert all(not jnp.array_equal(a, b) for a, b in zip(new, state))  # every array rewritten
+
+  dropped = state_split.clip_without_state(1.0)
+  assert jax.tree.leaves(dropped.init(grads)) == []
+  updates, new = jax.jit(dropped.update)(grads, dropped.init(grads))
+  assert jax.tree.leaves(new) == []
+  assert jax.tree.all(jax.tree.map(jnp.array_equal, updates, want_updates))
+  assert float(want_state.global_norm) > 1  # so the updates above were clipped
 
 
 @pytest.mark.parametrize("impl", ["ffi", "optax"])
