@@ -213,11 +213,10 @@ def clip_by_rows(leaves, *, mode: str, on_nonfinite: str, scale_by):
   if not _split_by_type(leaves):
     return lambda max_norm, *xs: flat_outputs(*partitioned_clip(max_norm, list(xs),
                                                                 impl="jax", **kwargs))
-  known = [_shards.known_sharding(x) for x in leaves]
-  meshes = {k[0] for k in known if k is not None}
-  if None in known or len(meshes) != 1:
+  mesh, known = _shards.known_layout(leaves)
+  if mesh is None or None in known:
     return None
-  mesh, specs = meshes.pop(), [spec for _, spec in known]
+  specs = [spec for _, spec in known]
   leaf_axes = [_shards.spec_axes(spec, f"#{i}") for i, spec in enumerate(specs)]
   return lambda max_norm, *xs: flat_outputs(*_shards.clip_in_shard_map(
       max_norm, list(xs), mesh, specs, leaf_axes, impl="jax", by_rows=True, **kwargs))

@@ -41,7 +41,7 @@ def _leaf_specs(specs, tree):
 
 
 def _mesh_and_specs(mesh, specs, tree, paths, leaves):
-  known = [_shards.known_sharding(x) for x in leaves]
+  found, known = _shards.known_layout(leaves)
   if specs is None:
     for path, k in zip(paths, known):
       if k is None:
@@ -53,11 +53,10 @@ def _mesh_and_specs(mesh, specs, tree, paths, leaves):
   else:
     leaf_specs = _leaf_specs(specs, tree)
   if mesh is None:
-    meshes = {k[0] for k in known if k is not None}
-    if len(meshes) != 1:
-      raise ValueError("clipjax: pass mesh=, the Mesh the gradients are sharded over "
-                       f"(their shardings name {len(meshes)} meshes)")
-    mesh = meshes.pop()
+    if found is None:
+      raise ValueError("clipjax: pass mesh=, the Mesh the gradients are sharded over (their "
+                       "shardings name no single mesh)")
+    mesh = found
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
                for spec, path in zip(leaf_specs, paths)]
   for path, axes in zip(paths, leaf_axes):

@@ -46,7 +46,7 @@ def spec_axes(spec, where: str) -> tuple:
   return tuple(axes)
 
 
-def known_sharding(leaf):
+def _known_sharding(leaf):
   """(mesh, spec) of a leaf whose sharding is known before lowering, else None.
 
   A concrete array carries its NamedSharding. Inside jit the type holds the
@@ -64,6 +64,15 @@ def known_sharding(leaf):
   if any(t != explicit for t in sharding.mesh.axis_types):
     return None
   return sharding.mesh, sharding.spec
+
+
+def known_layout(leaves):
+  """(mesh, known): `known` holds each leaf's (mesh, spec) where its sharding is known
+  before lowering (`_known_sharding`) and None elsewhere; `mesh` is the one mesh those
+  name, or None where they name none or several."""
+  known = [_known_sharding(x) for x in leaves]
+  meshes = {k[0] for k in known if k is not None}
+  return (meshes.pop() if len(meshes) == 1 else None), known
 
 
 def _whole_leaf_norms(shard_norms, axes):

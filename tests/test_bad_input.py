@@ -165,6 +165,12 @@ def test_bad_specs_are_named():
     jax.jit(lambda t: clipjax.sharded_clip_tree(t, 1.0, mesh=mesh))(_put(tree, mesh, P()))
   with pytest.raises(ValueError, match="specs="):
     clipjax.clip_tree_in_shard_map(tree, 1.0, specs=None)
+  with pytest.raises(ValueError, match="pass mesh=.*no single mesh"):  # none to read
+    clipjax.sharded_clip_tree(tree, 1.0, specs=P())
+  other = _one_device_mesh("model")
+  with pytest.raises(ValueError, match="pass mesh=.*no single mesh"):  # two to choose from
+    clipjax.sharded_clip_tree({"w": _put(tree, mesh, P())["w"],
+                               "b": _put(tree, other, P())["b"]}, 1.0, specs=P())
   empty = clipjax.sharded_clip_tree({}, 1.0, mesh=mesh, specs=P())
   assert empty.updates == {} and float(empty.global_norm) == 0.0
 
