@@ -21,9 +21,9 @@ same round, so that drift between rounds cancels). adamw alone compiled a second
 ("none_again", a control) shows how far two runs of one program differ on each clock.
 Python's garbage collector is off while a round is timed.
 
-Each clip's step is then held to the targets of docs/wall_clock.md (benchlib.targets): wall within 2%
-of adamw alone, no slower than optax's chain, host within 5% of adamw alone, each on the
-paired ratio. A verdict reads the 95% interval of that ratio's median (benchlib.timing.
+Each clip's step is then held to the targets of docs/wall_clock.md (benchlib.targets):
+wall within 2% of adamw alone, no slower than optax's chain, host within 5% of adamw alone,
+each on the paired ratio. A verdict reads the 95% interval of that ratio's median (benchlib.timing.
 median_interval): "met" where all of it is within the bound, "not met" where none of it is,
 "cannot tell" where the rounds cannot resolve it (more rounds, or more steps a round, narrow
 the interval: host-bound, 20 steps a round rather than 5 took it from about 5 points to 1-3
