@@ -8,6 +8,8 @@ materialized inside it (as a backward pass would leave them), times
   - optax.chain(clipjax.andrea_clip(max_norm), opt): scale="auto", which is "fused" there
     (the custom call computes the norm, XLA fuses the multiply into the optimizer's pass);
   - the same with scale="kernel" (k_grad_scale writes the clipped gradients first);
+  - with --clips andrea_jax, the same with impl="jax" (the pure-JAX path: here, behind the
+    barrier, its sums have no producer of the gradients to fuse into);
   - optax.chain(optax.clip_by_global_norm(max_norm), opt);
   - with adamw: torch's fused AdamW, alone and after clip_grad_norm_(foreach=True), captured
     in a CUDA graph with the same gradient pass.

@@ -61,7 +61,8 @@ def test_bench_clip_quick(tmp_path):
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_step_quick(tmp_path):
   results, stdout = run_quick("bench_step.py", tmp_path, "--dtypes", "f32", "--optimizers",
-                              "adamw,inject_adamw")
+                              "adamw,inject_adamw", "--clips",
+                              "none,andrea,andrea_kernel,andrea_jax,optax")
   meta = results["meta"]
   assert meta["complete"] and meta["passed"] and "TRAINING STEP" in stdout
   checks = {c["what"]: c for c in results["checks"]}
@@ -71,7 +72,7 @@ def test_bench_step_quick(tmp_path):
   rows = results["rows"]
   assert {(r["regime"], r["opt"], r["clip"]) for r in rows} == {
       (g, o, c) for g in ("clip", "noclip") for o in ("adamw", "inject_adamw")
-      for c in ("none", "andrea", "andrea_kernel", "optax")}
+      for c in ("none", "andrea", "andrea_kernel", "andrea_jax", "optax")}
   for row in rows:
     assert row["us_injit"] > 0 and row["floor_us"] == pytest.approx(10 * row["n_bytes"] / bw * 1e6)
     alone = find(rows, regime=row["regime"], opt=row["opt"], clip="none")

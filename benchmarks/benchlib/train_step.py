@@ -35,6 +35,7 @@ CLIPS = {
     "andrea": ("andrea_clip", lambda m: clipjax.andrea_clip(m)),
     "andrea_kernel": ("andrea_clip(scale=kernel)",
                       lambda m: clipjax.andrea_clip(m, scale="kernel")),
+    "andrea_jax": ("andrea_clip(impl=jax)", lambda m: clipjax.andrea_clip(m, impl="jax")),
     "optax": ("clip_by_global_norm", lambda m: optax.clip_by_global_norm(m)),
     "andrea_zscore": ("andrea_clip(spike=ZScoreSpike())",
                       lambda m: clipjax.andrea_clip(m, spike=clipjax.ZScoreSpike())),
