@@ -21,7 +21,7 @@ optimizer alone) against N, one read of the gradients.
     python benchmarks/bench_step.py            # the GPU run
     python benchmarks/bench_step.py --quick    # tiny shapes: runs on a CPU in seconds
 
-docs/benchmarks.md says how to read the output and what it measured.
+docs/step_device.md says how to read the output and what it measured.
 """
 
 from __future__ import annotations
