@@ -87,13 +87,17 @@ def staged(values, dtype):
                          0)
 
 
+def _factors(dtype):
+  """The three scales (mid, big, small) as a vector of `dtype`, behind an optimization
+  barrier: otherwise XLA may rewrite (x * c)^2 as x^2 * c^2 and fold c^2, which is 0 or
+  inf."""
+  return lax.optimization_barrier(staged([2.0**k for k in _sum_exponents(dtype)], dtype))
+
+
 def scaled_squares(x):
   """The squares of the real array x at the three scales (mid, big, small), stacked along
   a new leading axis, in x's dtype: what `pick_norm` picks from once they are summed."""
-  # The factors pass an optimization barrier: otherwise XLA may rewrite (x * c)^2 as
-  # x^2 * c^2 and fold c^2, which is 0 or inf.
-  factors = lax.optimization_barrier(staged([2.0**k for k in _sum_exponents(x.dtype)], x.dtype))
-  return jnp.square(x[None] * factors.reshape((3,) + (1,) * x.ndim))
+  return jnp.square(x[None] * _factors(x.dtype).reshape((3,) + (1,) * x.ndim))
 
 
 def leaf_sums(x, dtype=_F32):
@@ -115,16 +119,30 @@ _MAX_ROWS = 1 << 16
 
 
 def row_sums(x, dtype=_F32):
-  """The leaf's three sums of squares by its first axis, f[3, rows] in `dtype`: each row's
-  (a vector's rows are its elements), or f[3, 1], the whole leaf's, for a scalar or a leaf
-  of more than _MAX_ROWS rows. One reduction of the leaf's trailing axes, which XLA runs as
-  one kernel where it splits a whole leaf's sums into two."""
-  sums = 0
+  """The leaf's three sums of squares by its first axis, as three arrays (mid, big, small)
+  of f[rows] in `dtype`: each row's (a vector's rows are its elements), or f[1], the whole
+  leaf's, for a scalar or a leaf of more than _MAX_ROWS rows.
+
+  One variadic reduction of the leaf's trailing axes, with the three scaled squares as its
+  operands, reads the leaf once (XLA:GPU runs it as one kernel, or fuses it into the
+  gradient's producer). The leaf broadcast against the factors along a new leading axis,
+  as `leaf_sums` reduces it, took XLA:GPU 1.5x as long for the same sums with the
+  gradients in memory (docs/wall_clock_analysis.md, "The row sums' form").
+  """
+  sums = None
   for part in _real_parts(x, dtype):
     if part.ndim and part.shape[0] <= _MAX_ROWS:
-      sums = sums + jnp.sum(scaled_squares(part), axis=tuple(range(2, part.ndim + 1)))
+      factors = _factors(part.dtype)
+      squares = tuple(jnp.square(part * factors[i]) for i in range(3))
+      if part.ndim > 1:
+        zero = jnp.zeros((), part.dtype)
+        squares = lax.reduce(squares, (zero,) * 3,
+                             lambda a, b: tuple(p + q for p, q in zip(a, b)),
+                             tuple(range(1, part.ndim)))
+      three = list(squares)
     else:
-      sums = sums + leaf_sums(part, dtype).reshape(3, 1)
+      three = list(leaf_sums(part, dtype).reshape(3, 1))
+    sums = three if sums is None else [a + b for a, b in zip(sums, three)]
   return sums
 
 
@@ -155,14 +173,19 @@ def _sums_by_rows(leaves, dtype):
   kernels rather than in one or two per leaf (see `norms`)."""
   rows = lax.optimization_barrier([row_sums(x, dtype) for x in leaves])
   by_length: dict = {}
-  for i, r in enumerate(rows):
-    by_length.setdefault(r.shape[1], []).append(i)
+  for i, (mid, _, _) in enumerate(rows):
+    by_length.setdefault(mid.shape[0], []).append(i)
   order = [i for members in by_length.values() for i in members]
+
+  def finish(members):  # f[len(members), 3]; each leaf's three arrays stacked in one op
+    stacked = jnp.stack([s for i in members for s in rows[i]])
+    return jnp.sum(stacked.reshape(len(members), 3, -1), axis=2)
+
   # The second barrier keeps each length's reduction a kernel of its own: XLA:GPU may fuse
   # one into the permutation below, where one thread adds up a whole row (in the example's
   # 120M step, its embedding's 8449 row sums: 0.11-0.18 ms).
   sums = jnp.concatenate(lax.optimization_barrier(
-      [jnp.sum(jnp.stack([rows[i] for i in members]), axis=2) for members in by_length.values()]))
+      [finish(members) for members in by_length.values()]))
   return sums[staged(np.argsort(order), jnp.int32)]
 
 
