@@ -9,6 +9,7 @@ them gathers a leaf.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -94,6 +95,48 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   where the leaves' layout is not known before partitioning; elsewhere the pure-JAX clip
   leaf by leaf, which XLA's partitioner splits like any reduction.
   """
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  return differentiable(functools.partial(_run, impl=impl, **kwargs), max_norm, leaves,
+                        pure_jax_tangent(**kwargs))
+
+
+def differentiable(clip_fn, max_norm, leaves, tangent_fn):
+  """clip_fn(max_norm, leaves), its derivative given by tangent_fn(primals, tangents): the
+  custom call has none of its own, nor has `custom_partitioning`."""
+  @jax.custom_jvp
+  def clip(max_norm, leaves):
+    return clip_fn(max_norm, leaves)
+
+  @clip.defjvp
+  def clip_jvp(primals, tangents):
+    return clip_fn(*primals), tangent_fn(primals, tangents)
+
+  return clip(max_norm, list(leaves))
+
+
+def pure_jax_tangent(*, mode, on_nonfinite, scale_by):
+  """The tangent_fn of a clip of whole leaves, by any path: the pure-JAX clip's leaf by
+  leaf (`_partition.pure_jax_clip`, whose norms carry their own derivative,
+  `_jax_impl.norms`), which XLA partitions like any reduction. What `jax.grad` or `jax.jvp`
+  through a clip, or an optimizer chain that holds one, uses on every platform."""
+  def pure(max_norm, leaves):
+    *out, norms, flags = _partition.pure_jax_clip(
+        max_norm, leaves, by_rows=False, mode=mode, on_nonfinite=on_nonfinite,
+        scale_by=scale_by)
+    return (out if scale_by else None), norms, flags
+
+  return lambda primals, tangents: jax.jvp(pure, primals, tangents)[1]
+
+
+def no_tangent(why: str):
+  """The tangent_fn of a clip that cannot be differentiated: raises TypeError(why)."""
+  def tangent(primals, tangents):
+    raise TypeError(why)
+
+  return tangent
+
+
+def _run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, impl="ffi", **kwargs)

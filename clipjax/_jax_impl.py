@@ -25,6 +25,9 @@ The arithmetic is float32, or float64 for a tree with a float64 (or complex128) 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -199,13 +202,14 @@ def pick_norm(mid, big, small):
   mid_min = _mid_sumsq_min(mid.dtype)
   use_mid = jnp.isfinite(mid) & (mid >= mid_min)
   use_small = mid < mid_min  # False for a NaN or inf mid
-  root = jnp.where(use_mid, jnp.sqrt(mid), jnp.where(use_small, jnp.sqrt(small), jnp.sqrt(big)))
+  root = jnp.sqrt(jnp.where(use_mid, mid, jnp.where(use_small, small, big)))
   exp = jnp.where(use_mid, 0, jnp.where(use_small, -k_small, -k_big))
   return root, exp.astype(jnp.int32)
 
 
 def norms(leaves, *, by_rows: bool):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc.
+  Differentiable: `_norms_jvp` gives their derivative.
 
   `by_rows`: each leaf is reduced to its row sums and those of the same length are
   finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
@@ -215,6 +219,14 @@ def norms(leaves, *, by_rows: bool):
   Else each leaf is reduced whole (`_sums_by_leaf`), which XLA's partitioner splits like
   any reduction, all-reducing three sums per leaf.
   """
+  (root, exp), (leaf_roots, leaf_exps) = _norms(by_rows, list(leaves))
+  return (root, exp.astype(jnp.int32)), (leaf_roots, leaf_exps.astype(jnp.int32))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _norms(by_rows, leaves):
+  """`norms`, the exponents as floats (whole numbers): their zero tangents are then made
+  like any float's, as inside a `shard_map`, where they must vary as the exponents do."""
   dtype = norm_dtype(leaves)
   # The barrier (in either) keeps each leaf's reduction a fusion of its own, and whole:
   # stacked at once, XLA:GPU may fuse the reductions into the stack, where one thread
@@ -225,7 +237,35 @@ def norms(leaves, *, by_rows: bool):
   # is not an op that XLA:CPU copies into every consumer. A plain sum becomes a chain of n
   # scalar adds that it copies into the fusion scaling each leaf: O(n^2) compile time.
   totals = [jnp.sum(jnp.sort(p)) for p in per_leaf]
-  return pick_norm(*totals), pick_norm(*per_leaf)
+  return tuple((root, exp.astype(dtype)) for root, exp in (pick_norm(*totals),
+                                                           pick_norm(*per_leaf)))
+
+
+@_norms.defjvp
+def _norms_jvp(by_rows, primals, tangents):
+  """d|x| = <x, dx> / |x| for the global norm and each leaf's, in their (root, exponent)
+  form: d root = <x * 2**-e, dx * 2**-e> / root, the leaf and its tangent scaled by the
+  norm's own 2**-e, so that nothing overflows or underflows where the norm does not. (The
+  three scaled sums, differentiated as they are computed, would give NaN: an unused sum's
+  x * 2**64 may be inf, and its zero cotangent times inf is NaN.) Zero at a zero norm."""
+  (leaves,), (dleaves,) = primals, tangents
+  out = _norms(by_rows, leaves)
+  (root, exp), (leaf_roots, leaf_exps) = out
+  dtype = root.dtype
+  exp, leaf_exps = exp.astype(jnp.int32), leaf_exps.astype(jnp.int32)
+
+  def dot(x, dx, e):  # <x * 2**-e, dx * 2**-e>; dx only multiplied, so linear in it
+    down = pow2(-e // 2, dtype) * pow2(-e - (-e // 2), dtype)
+    return sum(jnp.sum(_unscale(p, -e) * (q * down))
+               for p, q in zip(_real_parts(x, dtype), _real_parts(dx, dtype)))
+
+  def over(v, r):  # v / r, 0 where r is 0
+    return v * jnp.where(r == 0, 0, 1 / jnp.where(r == 0, 1, r))
+
+  d_root = over(sum(dot(x, dx, exp) for x, dx in zip(leaves, dleaves)), root)
+  d_leaves = over(jnp.stack([dot(x, dx, leaf_exps[i])
+                             for i, (x, dx) in enumerate(zip(leaves, dleaves))]), leaf_roots)
+  return out, ((d_root, jnp.zeros_like(out[0][1])), (d_leaves, jnp.zeros_like(out[1][1])))
 
 
 def scale_leaf(x, scale, low, high, zero_fill):
@@ -277,7 +317,9 @@ def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
   # Below that, scale = r * 2**a with a in [-125, -1]: normal, and x * scale cannot overflow.
   a = jnp.where(normal, e, jnp.maximum(e + 1 - lowest, lowest))
   finite = jnp.isfinite(root) & (root > 0)
-  scale = jnp.where(finite, _unscale(r, a), max_norm / norm)
+  # (max_norm / norm where it is inf, NaN or 0; a finite norm is kept out of that division,
+  # whose derivative would be inf where norm**2 underflows.)
+  scale = jnp.where(finite, _unscale(r, a), max_norm / jnp.where(finite, 1, norm))
   shift = jnp.where(finite & ~normal, e - a, 0)
   scale, shift = jnp.where(keep, jnp.ones_like(scale), scale), jnp.where(keep, 0, shift)
   zero_fill = jnp.logical_and(zero_nonfinite, jnp.logical_not(all_finite))

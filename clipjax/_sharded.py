@@ -155,9 +155,12 @@ def _sharded_clip_jitted(tree, max_norm, *, mesh, treedef, leaf_specs, impl, mod
 def run_in_shard_map(p, tree, *, mesh, specs, impl, mode, on_nonfinite, scale_by):
   """`_dispatch.run_whole`'s contract, in a `shard_map` of the clip's own."""
   mesh, leaf_specs, leaf_axes = _mesh_and_specs(mesh, specs, tree, p.paths, p.leaves)
-  return _shards.clip_in_shard_map(p.max_norm, p.leaves, mesh, leaf_specs, leaf_axes,
-                                   impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
-                                   on_nonfinite=on_nonfinite, scale_by=scale_by)
+  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  clip = functools.partial(_shards.clip_in_shard_map, mesh=mesh, leaf_specs=leaf_specs,
+                           leaf_axes=leaf_axes, impl=_dispatch.shard_impl(impl, p.leaves),
+                           **kwargs)
+  return _dispatch.differentiable(clip, p.max_norm, p.leaves,
+                                  _dispatch.pure_jax_tangent(**kwargs))
 
 
 def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
@@ -189,6 +192,16 @@ def run_on_shards(p, tree, *, specs, impl, mode, on_nonfinite, scale_by):
   leaf_axes = [_shards.spec_axes(spec, _options.where(path))
                for spec, path in zip(_leaf_specs(specs, tree), p.paths)]
   _check_specs_in_shard_map(p.paths, p.leaves, leaf_axes)
-  return _shards.clip_shards(p.max_norm, p.leaves, leaf_axes,
-                             impl=_dispatch.shard_impl(impl, p.leaves), mode=mode,
-                             on_nonfinite=on_nonfinite, scale_by=scale_by)
+  impl = _dispatch.shard_impl(impl, p.leaves)
+  clip = functools.partial(_shards.clip_shards, leaf_axes=leaf_axes, impl=impl, mode=mode,
+                           on_nonfinite=on_nonfinite, scale_by=scale_by)
+  if impl == "jax":  # the pure-JAX clip of the shards is differentiable as it is
+    return clip(p.max_norm, p.leaves)
+  return _dispatch.differentiable(clip, p.max_norm, p.leaves,
+                                  _dispatch.no_tangent(_NO_DERIVATIVE_HERE))
+
+
+_NO_DERIVATIVE_HERE = (
+    "clipjax: inside your own shard_map the custom call has no derivative: pass impl='jax' "
+    "to clip_tree_in_shard_map to differentiate through it, or clip the whole tree outside "
+    "the shard_map (clip_tree, andrea_clip), whose derivative every path provides.")

@@ -25,6 +25,7 @@ class SkipSpikesState(NamedTuple):
   skipped_count: jax.Array  # int32
 
 
+@jax.custom_jvp
 def pick(skip, if_skip, otherwise):
   """`if_skip` where the scalar `skip` holds, else `otherwise`, bit for bit.
 
@@ -45,6 +46,16 @@ def pick(skip, if_skip, otherwise):
   b = lax.bitcast_convert_type(otherwise, bits)
   mask = -jnp.asarray(skip).astype(bits)  # all ones, or zero
   return lax.bitcast_convert_type(b ^ ((b ^ a) & mask), dtype)
+
+
+@pick.defjvp
+def _pick_jvp(primals, tangents):
+  """The tangent of the array chosen (the choice on the bits has none of its own)."""
+  skip, if_skip, otherwise = primals
+  _, if_skip_dot, otherwise_dot = tangents
+  if not jnp.issubdtype(jnp.asarray(otherwise).dtype, jnp.inexact):
+    return pick(*primals), otherwise_dot  # integers: a float0 zero
+  return pick(*primals), jnp.where(skip, if_skip_dot, otherwise_dot)
 
 
 def skip_spikes(inner: optax.GradientTransformation, *, on_nonfinite: bool = True,
