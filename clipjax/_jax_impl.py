@@ -124,13 +124,9 @@ _MAX_ROWS = 1 << 16
 def row_sums(x, dtype=_F32):
   """The leaf's three sums of squares by its first axis, as three arrays (mid, big, small)
   of f[rows] in `dtype`: each row's (a vector's rows are its elements), or f[1], the whole
-  leaf's, for a scalar or a leaf of more than _MAX_ROWS rows.
-
-  One variadic reduction of the leaf's trailing axes, with the three scaled squares as its
-  operands, reads the leaf once (XLA:GPU runs it as one kernel, or fuses it into the
-  gradient's producer). The leaf broadcast against the factors along a new leading axis,
-  as `leaf_sums` reduces it, took XLA:GPU 1.5x as long for the same sums with the
-  gradients in memory (docs/wall_clock_analysis.md, "The row sums' form").
+  leaf's, for a scalar or a leaf of more than _MAX_ROWS rows. One variadic reduction of the
+  trailing axes reads the leaf once; the leaf broadcast against the factors, as `leaf_sums`
+  reduces it, took XLA:GPU 1.5x as long (docs/wall_clock_analysis.md, "The row sums' form").
   """
   sums = None
   for part in _real_parts(x, dtype):
@@ -209,7 +205,7 @@ def pick_norm(mid, big, small):
 
 def norms(leaves, *, by_rows: bool):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc.
-  Differentiable: `_norms_jvp` gives their derivative.
+  Their derivative is `_norms_jvp`'s.
 
   `by_rows`: each leaf is reduced to its row sums and those of the same length are
   finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
@@ -243,10 +239,9 @@ def _norms(by_rows, leaves):
 
 @_norms.defjvp
 def _norms_jvp(by_rows, primals, tangents):
-  """d|x| = <x, dx> / |x| for the global norm and each leaf's, in their (root, exponent)
-  form: d root = <x * 2**-e, dx * 2**-e> / root, the leaf and its tangent scaled by the
-  norm's own 2**-e, so that nothing overflows or underflows where the norm does not. (The
-  three scaled sums, differentiated as they are computed, would give NaN: an unused sum's
+  """d|x| = <x, dx> / |x| for the global norm and each leaf's, as d root = <x * 2**-e,
+  dx * 2**-e> / root: scaled by the norm's own 2**-e, nothing overflows where the norm does
+  not. (The three scaled sums, differentiated as computed, give NaN: an unused sum's
   x * 2**64 may be inf, and its zero cotangent times inf is NaN.) Zero at a zero norm."""
   (leaves,), (dleaves,) = primals, tangents
   out = _norms(by_rows, leaves)
@@ -317,8 +312,7 @@ def decide(norm, max_norm, zero_nonfinite, all_finite, root, exp):
   # Below that, scale = r * 2**a with a in [-125, -1]: normal, and x * scale cannot overflow.
   a = jnp.where(normal, e, jnp.maximum(e + 1 - lowest, lowest))
   finite = jnp.isfinite(root) & (root > 0)
-  # (max_norm / norm where it is inf, NaN or 0; a finite norm is kept out of that division,
-  # whose derivative would be inf where norm**2 underflows.)
+  # A finite norm is kept out of the division: its derivative is inf where norm**2 underflows.
   scale = jnp.where(finite, _unscale(r, a), max_norm / jnp.where(finite, 1, norm))
   shift = jnp.where(finite & ~normal, e - a, 0)
   scale, shift = jnp.where(keep, jnp.ones_like(scale), scale), jnp.where(keep, 0, shift)

@@ -269,25 +269,6 @@ def test_andrea_clip_with_mesh_in_a_jitted_adamw_step(devices, impl):
     _assert_placed_as(got[k], mesh, specs[k])
 
 
-def test_the_derivative_through_the_clip_with_mesh_is_one_devices(devices, impl):
-  mesh, d = _mesh2d(), devices // 2
-  grads = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=3)
-  weights = _tree({"w": ((4 * d, 8), jnp.float32), "b": ((8,), jnp.float32)}, seed=4)
-  specs = {"w": P("data", "model"), "b": P()}
-
-  def grad(tx, grads):
-    def loss(t):
-      updates, _ = tx.update(t, tx.init(t))
-      return sum(jnp.sum(updates[k] * weights[k]) for k in t)
-    return jax.jit(jax.grad(loss))(grads)
-
-  got = grad(clipjax.andrea_clip(1.0, impl=impl, mesh=mesh, specs=specs),
-             _put(grads, mesh, specs))
-  want = grad(clipjax.andrea_clip(1.0, impl=impl), grads)
-  for k in grads:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)
-
-
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_inside_a_users_own_shard_map(devices, impl, check_vma):
   mesh, d = _mesh2d(), devices // 2
@@ -310,32 +291,6 @@ def test_inside_a_users_own_shard_map(devices, impl, check_vma):
   for k in tree:
     np.testing.assert_allclose(clipped[k], ref.updates[k], rtol=1e-6)
     np.testing.assert_array_equal(updates[k], clipped[k])
-
-
-def test_the_derivative_inside_a_users_own_shard_map(devices, impl):
-  """impl="jax": the pure-JAX clip of the shards, differentiated as it is, gives one
-  device's derivative. The custom call has none there, and says what to do instead."""
-  mesh, d = _mesh2d(), devices // 2
-  shapes = {"w": ((4 * d, 8), jnp.float32), "b": ((5,), jnp.float32)}
-  tree, weights = _tree(shapes, seed=5), _tree(shapes, seed=6)["w"]
-  specs = {"w": P("data", "model"), "b": P()}
-
-  def local(grads, weights):  # this device's shards; the loss reads the sharded leaf
-    updates = clipjax.clip_tree_in_shard_map(grads, 1.0, specs=specs, impl=impl).updates
-    return jax.lax.psum(jnp.sum(updates["w"] * weights), ("data", "model"))
-
-  loss = jax.shard_map(local, mesh=mesh, in_specs=(specs, specs["w"]), out_specs=P())
-  grad = jax.jit(jax.grad(loss))
-  args = (_put(tree, mesh, specs), jax.device_put(weights, NamedSharding(mesh, specs["w"])))
-  if impl == "ffi":
-    with pytest.raises(TypeError, match="impl='jax'"):
-      grad(*args)
-    return
-  got = grad(*args)
-  want = jax.grad(lambda t: jnp.sum(clipjax.clip_tree(t, 1.0, impl="jax").updates["w"]
-                                    * weights))(tree)
-  for k in tree:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("form", ["mesh", "shard_map"])
