@@ -7,6 +7,8 @@ takes the pure-JAX clip's (`_dispatch.pure_jax_tangent`), whose norms carry thei
 (`_jax_impl.norms`), so that it holds where the squares overflow or underflow as well.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +170,31 @@ def test_a_chain_under_skip_spikes_has_the_chains_derivative_on_a_kept_step(impl
   got, want = grad(clipjax.skip_spikes(chain())), grad(chain())
   assert any(float(jnp.max(jnp.abs(v))) > 0 for v in want.values())
   _assert_close(got, _f64(want), 1e-6)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_derivatives_leave_the_compiled_step_as_it_was(impl, skip, monkeypatch):
+  """The `custom_jvp`s that give the derivatives are traced away before XLA sees the step:
+  its compiled instructions are those of the same step without them."""
+  from clipjax import _dispatch, _skip
+  params = _weights(_tree(1.0))
+
+  def instructions():
+    jax.clear_caches()
+    clip = clipjax.andrea_clip(1.0, impl=impl, spike=clipjax.ZScoreSpike() if skip else None)
+    tx = optax.chain(clip, optax.adamw(1e-3))
+    tx = clipjax.skip_spikes(tx) if skip else tx
+
+    def step(p, s, g):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    text = jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
+    text = re.sub(r"metadata=\{[^}]*\}|\.\d+", "", text)  # source lines, numbering
+    return [line for line in text.splitlines() if " = " in line]
+
+  with_them = instructions()
+  monkeypatch.setattr(_dispatch, "differentiable", lambda clip, m, leaves, _: clip(m, leaves))
+  monkeypatch.setattr(_skip, "pick", _skip.pick.fun)
+  assert instructions() == with_them
+  jax.clear_caches()
