@@ -125,6 +125,22 @@ def test_a_meta_gradient_through_a_chain_matches_optax(impl_name, max_norm, requ
                              rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["global", "per_tensor"])
+def test_the_scale_kernels_path_has_the_same_derivative(mode):
+  """scale="kernel": the custom call writes the clipped leaves itself, over its operands."""
+  tree = _tree(1.0)
+  w = _weights(tree)
+  norms = [np.sqrt(np.sum(v ** 2)) for v in _f64(tree).values()]
+  max_norm = float(min(norms)) / 2
+
+  def loss(t):
+    tx = clipjax.andrea_clip(max_norm, impl="ffi", mode=mode, scale="kernel")
+    updates, _ = tx.update(t, tx.init(t))
+    return sum(jnp.sum(updates[k] * w[k]) for k in t)
+
+  _assert_close(jax.jit(jax.grad(loss))(tree), _clip_grad_f64(tree, w, max_norm, mode), 1e-5)
+
+
 def test_bfloat16_leaves_get_the_derivative_in_their_own_dtype(impl):
   tree = _tree(1.0, jnp.bfloat16)
   w = _weights(tree)
