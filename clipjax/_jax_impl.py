@@ -66,12 +66,15 @@ def pow2(k, dtype=_F32):
   return jnp.where(k < fi.minexp, jnp.zeros((), dtype), lax.bitcast_convert_type(bits, dtype))
 
 
-def _unscale(v, e):
-  """v * 2**e for |e| up to twice the largest exponent, in two exact steps (2**e alone
-  may not be a float); NaN and inf are kept as they are (inf * 2**-200 is inf, not
-  inf * 0)."""
+def _times_pow2(v, e):
+  """v * 2**e, |e| up to twice the largest exponent, in two exact steps; linear in v."""
   real = jnp.finfo(v.dtype).dtype  # of a complex v, its parts' dtype
-  return jnp.where(jnp.isfinite(v), v * pow2(e // 2, real) * pow2(e - e // 2, real), v)
+  return v * pow2(e // 2, real) * pow2(e - e // 2, real)
+
+
+def _unscale(v, e):
+  """`_times_pow2`, with NaN and inf kept as they are (inf * 2**-200 is inf, not inf * 0)."""
+  return jnp.where(jnp.isfinite(v), _times_pow2(v, e), v)
 
 
 def _real_parts(x, dtype):
@@ -92,8 +95,7 @@ def staged(values, dtype):
 
 def _factors(dtype):
   """The three scales (mid, big, small) as a vector of `dtype`, behind an optimization
-  barrier: otherwise XLA may rewrite (x * c)^2 as x^2 * c^2 and fold c^2, which is 0 or
-  inf."""
+  barrier: else XLA may rewrite (x * c)^2 as x^2 * c^2 and fold c^2, which is 0 or inf."""
   return lax.optimization_barrier(staged([2.0**k for k in _sum_exponents(dtype)], dtype))
 
 
@@ -205,7 +207,6 @@ def pick_norm(mid, big, small):
 
 def norms(leaves, *, by_rows: bool):
   """((global root, global exponent), (leaf roots, leaf exponents)); see the module doc.
-  Their derivative is `_norms_jvp`'s.
 
   `by_rows`: each leaf is reduced to its row sums and those of the same length are
   finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
@@ -219,7 +220,7 @@ def norms(leaves, *, by_rows: bool):
   return (root, exp.astype(jnp.int32)), (leaf_roots, leaf_exps.astype(jnp.int32))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))  # derivative: `_norms_jvp`
 def _norms(by_rows, leaves):
   """`norms`, the exponents as floats (whole numbers): their zero tangents are then made
   like any float's, as inside a `shard_map`, where they must vary as the exponents do."""
@@ -239,19 +240,17 @@ def _norms(by_rows, leaves):
 
 @_norms.defjvp
 def _norms_jvp(by_rows, primals, tangents):
-  """d|x| = <x, dx> / |x| for the global norm and each leaf's, as d root = <x * 2**-e,
-  dx * 2**-e> / root: scaled by the norm's own 2**-e, nothing overflows where the norm does
-  not. (The three scaled sums, differentiated as computed, give NaN: an unused sum's
-  x * 2**64 may be inf, and its zero cotangent times inf is NaN.) Zero at a zero norm."""
+  """d|x| = <x, dx> / |x| for each norm, as d root = <x * 2**-e, dx * 2**-e> / root, which
+  overflows nowhere the norm does not (the scaled sums, differentiated as computed, give
+  NaN: an unused x * 2**64 may be inf, times its zero cotangent). Zero at a zero norm."""
   (leaves,), (dleaves,) = primals, tangents
   out = _norms(by_rows, leaves)
   (root, exp), (leaf_roots, leaf_exps) = out
   dtype = root.dtype
   exp, leaf_exps = exp.astype(jnp.int32), leaf_exps.astype(jnp.int32)
 
-  def dot(x, dx, e):  # <x * 2**-e, dx * 2**-e>; dx only multiplied, so linear in it
-    down = pow2(-e // 2, dtype) * pow2(-e - (-e // 2), dtype)
-    return sum(jnp.sum(_unscale(p, -e) * (q * down))
+  def dot(x, dx, e):  # <x * 2**-e, dx * 2**-e>, linear in dx
+    return sum(jnp.sum(_unscale(p, -e) * _times_pow2(q, -e))
                for p, q in zip(_real_parts(x, dtype), _real_parts(dx, dtype)))
 
   def over(v, r):  # v / r, 0 where r is 0
