@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _dispatch, _jax_impl, _options, _sharded, _spike
+from clipjax import _dispatch, _jax_norms, _options, _sharded, _spike
 from clipjax._options import ClipResult
 from clipjax._spike import ZScoreSpike
 
@@ -153,7 +153,7 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   def init_fn(params):
     _, leaves, _ = _options.flatten(params)
-    return AndreaClipState(jnp.zeros((), _jax_impl.norm_dtype(leaves)), jnp.zeros((), bool),
+    return AndreaClipState(jnp.zeros((), _jax_norms.norm_dtype(leaves)), jnp.zeros((), bool),
                            jnp.zeros((), jnp.int32), jnp.zeros((len(leaves),), jnp.float32),
                            *_spike.initial_stats())
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _ffi, _jax_impl, _native, _options, _partition
+from clipjax import _ffi, _jax_impl, _jax_norms, _native, _options, _partition
 
 
 def default_platform() -> str:
@@ -61,7 +61,7 @@ def prepare(tree, max_norm, impl, mode, on_nonfinite, scale="auto") -> Prepared 
   if impl == "ffi":
     check_ffi(paths, leaves)
   operand, invalid = _options.max_norm_operand(max_norm, on_nonfinite,
-                                               _jax_impl.norm_dtype(leaves))
+                                               _jax_norms.norm_dtype(leaves))
   return Prepared(paths, leaves, treedef, operand, invalid)
 
 
@@ -117,7 +117,7 @@ def differentiable(clip_fn, max_norm, leaves, tangent_fn):
 def pure_jax_tangent(*, mode, on_nonfinite, scale_by):
   """The tangent_fn of a clip of whole leaves, by any path: the pure-JAX clip's leaf by
   leaf (`_partition.pure_jax_clip`, whose norms carry their own derivative,
-  `_jax_impl.norms`), which XLA partitions like any reduction. What `jax.grad` or `jax.jvp`
+  `_jax_norms.norms`), which XLA partitions like any reduction. What `jax.grad` or `jax.jvp`
   through a clip, or an optimizer chain that holds one, uses on every platform."""
   def pure(max_norm, leaves):
     *out, norms, flags = _partition.pure_jax_clip(

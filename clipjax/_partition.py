@@ -3,7 +3,7 @@
 
 `partitioned_clip` wraps the whole clip in `jax.experimental.custom_partitioning`: the
 custom call (`_ffi.clip_call`, impl="ffi"), or, on GPUs, the pure-JAX clip by rows
-(impl="jax"), which stacks the leaves' row sums (`_jax_impl.norms`): partitioned here,
+(impl="jax"), which stacks the leaves' row sums (`_jax_norms.norms`): partitioned here,
 each device stacks its own, where XLA's partitioning of the stack would move them between
 devices.
 

@@ -13,7 +13,7 @@ device takes the same decision and scales its own shards:
   global norm = the same over the group norms, each kept as root * 2**exponent
 
 The squares are summed at three scales at once, as the pure-JAX path sums a leaf's
-elements (`_jax_impl.scaled_squares`, `pick_norm`), so none overflows or underflows, and
+elements (`_jax_norms.scaled_squares`, `pick_norm`), so none overflows or underflows, and
 a norm above the float range keeps its scale (root * 2**exponent) though it reads as inf.
 Only a few floats per leaf cross devices: one psum per set of axes, of three floats per
 leaf and per norm call in the set (a call takes at most `_ffi.MAX_LEAVES_PER_CALL` leaves).
@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _jax_impl
+from clipjax import _ffi, _jax_impl, _jax_norms
 
 
 def spec_axes(spec, where: str) -> tuple:
@@ -84,7 +84,7 @@ def _whole_leaf_norms(shard_norms, axes):
   """
   if not axes:
     return jnp.frexp(shard_norms)
-  root, exponent = _jax_impl.pick_norm(*lax.psum(_jax_impl.scaled_squares(shard_norms), axes))
+  root, exponent = _jax_norms.pick_norm(*lax.psum(_jax_norms.scaled_squares(shard_norms), axes))
   mantissa, shift = jnp.frexp(root)
   return mantissa, exponent + shift
 
@@ -93,7 +93,7 @@ def _norm_of_norms(roots, exps):
   """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
   top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
   top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
-  aligned = roots * _jax_impl.pow2(exps - top, roots.dtype)
+  aligned = roots * _jax_norms.pow2(exps - top, roots.dtype)
   return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 

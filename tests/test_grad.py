@@ -4,7 +4,7 @@ by leaf and by rows), against float64's derivative and optax's.
 
 The custom call and `custom_partitioning` have no derivative of their own: every path
 takes the pure-JAX clip's (`_dispatch.pure_jax_tangent`), whose norms carry theirs
-(`_jax_impl.norms`), so that it holds where the squares overflow or underflow as well.
+(`_jax_norms.norms`), so that it holds where the squares overflow or underflow as well.
 """
 
 import re

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _jax_impl
+from clipjax import _jax_norms
 from conftest import f64_norm
 
 # jax.enable_x64 where this jax has it; jax 0.7.2 has only jax.experimental's.
@@ -93,7 +93,7 @@ def _range_tree():
       "cube": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.bfloat16),
       "complex": jnp.asarray(rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2)),
                              jnp.complex64),
-      "tall": jnp.asarray(rng.normal(size=(_jax_impl._MAX_ROWS + 3, 1)), jnp.float32),
+      "tall": jnp.asarray(rng.normal(size=(_jax_norms._MAX_ROWS + 3, 1)), jnp.float32),
       "also_768": jnp.asarray(rng.normal(size=(768, 2)) * 1e-25, jnp.float32),
   }
 
@@ -116,3 +116,4 @@ def test_pure_jax_sums_by_rows_and_by_leaf_give_the_same_norms(request, by_rows)
   assert float(overall.global_norm) == np.inf and not bool(overall.nonfinite)
   np.testing.assert_allclose(np.asarray(overall.updates["huge"], np.float64),
                              1e38 / f64_norm(tree), rtol=2e-7)
+
