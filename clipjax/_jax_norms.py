@@ -238,7 +238,9 @@ def _norms_jvp(by_rows, primals, tangents):
   def over(v, r):  # v / r, 0 where r is 0
     return v * jnp.where(r == 0, 0, 1 / jnp.where(r == 0, 1, r))
 
-  d_root = over(sum(dot(x, dx, exp) for x, dx in zip(leaves, dleaves)), root)
-  d_leaves = over(jnp.stack([dot(x, dx, leaf_exps[i])
-                             for i, (x, dx) in enumerate(zip(leaves, dleaves))]), leaf_roots)
+  dots = jnp.stack([dot(x, dx, leaf_exps[i]) for i, (x, dx) in enumerate(zip(leaves, dleaves))])
+  d_leaves = over(dots, leaf_roots)
+  # The same dots at the global exponent, which is at least each leaf's (the global norm
+  # is the larger): one read of each leaf, and one sum rather than a chain of n adds.
+  d_root = over(jnp.sum(_times_pow2(dots, 2 * (leaf_exps - exp))), root)
   return out, ((d_root, jnp.zeros_like(out[0][1])), (d_leaves, jnp.zeros_like(out[1][1])))
