@@ -94,10 +94,30 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   (`_partition.clip_by_rows`: each device stacks its own leaves' row sums), or leaf by leaf
   where the leaves' layout is not known before partitioning; elsewhere the pure-JAX clip
   leaf by leaf, which XLA's partitioner splits like any reduction.
+
+  On a single device the custom call's norms read a float32 leaf that this jit widened
+  from bfloat16 or float16 in its narrow form (`_ffi.widened_from`). Those arrays travel
+  beside the leaves, and the derivative takes no account of them: they hold the leaves'
+  values.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
-  return differentiable(functools.partial(_run, impl=impl, **kwargs), max_norm, leaves,
-                        pure_jax_tangent(**kwargs))
+  tangent = pure_jax_tangent(**kwargs)
+  reads = (_ffi.widened_from(leaves) if scale_by != "kernel" and _has_custom_call(impl, leaves)
+           and _partition.nothing_to_partition() else None)
+  if reads is None:
+    return differentiable(functools.partial(_run, impl=impl, **kwargs), max_norm, leaves,
+                          tangent)
+  n = len(leaves)
+  return differentiable(
+      lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, norm_inputs=xs[n:], **kwargs),
+      max_norm, [*leaves, *reads],
+      lambda primals, tangents: tangent((primals[0], primals[1][:n]),
+                                        (tangents[0], tangents[1][:n])))
+
+
+def _has_custom_call(impl, leaves) -> bool:
+  """Whether the clip of `leaves` by `impl` holds the custom call (on CUDA, for "auto")."""
+  return impl == "ffi" or (impl == "auto" and auto_has_custom_call(leaves))
 
 
 def differentiable(clip_fn, max_norm, leaves, tangent_fn):
@@ -136,21 +156,26 @@ def no_tangent(why: str):
   return tangent
 
 
-def _run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
+def _run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=None):
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
-    return _partition.partitioned_clip(max_norm, leaves, impl="ffi", **kwargs)
+    return _partition.partitioned_clip(max_norm, leaves, impl="ffi", norm_inputs=norm_inputs,
+                                       **kwargs)
+  # Each platform's function takes (max_norm, *leaves, *norm_inputs).
+  n = len(leaves)
 
-  def leaf_by_leaf(max_norm, *leaves):
-    return _partition.pure_jax_clip(max_norm, leaves, by_rows=False, **kwargs)
+  def leaf_by_leaf(max_norm, *xs):
+    return _partition.pure_jax_clip(max_norm, xs[:n], by_rows=False, **kwargs)
 
-  def custom_call(max_norm, *leaves):
-    return _partition.flat_outputs(*_partition.partitioned_clip(max_norm, list(leaves),
-                                                                impl="ffi", **kwargs))
+  def custom_call(max_norm, *xs):
+    return _partition.flat_outputs(*_partition.partitioned_clip(
+        max_norm, list(xs[:n]), impl="ffi", norm_inputs=list(xs[n:]) or None, **kwargs))
 
-  by_rows = _partition.clip_by_rows(leaves, **kwargs) or leaf_by_leaf
-  on_cuda = ({"cuda": custom_call} if impl == "auto" and auto_has_custom_call(leaves) else {})
-  outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves, **on_cuda)
+  rows = _partition.clip_by_rows(leaves, **kwargs)
+  by_rows = (lambda max_norm, *xs: rows(max_norm, *xs[:n])) if rows else leaf_by_leaf
+  on_cuda = {"cuda": custom_call} if _has_custom_call(impl, leaves) else {}
+  outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves,
+                                *(norm_inputs or ()), **on_cuda)
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

@@ -35,7 +35,40 @@ def num_chunks(sizes) -> int:
   return sum(max(1, -(-int(n) // chunk)) for n in sizes)
 
 
-def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
+_NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def widened_from(leaves) -> list | None:
+  """What the norm kernels may read in place of `leaves`: for each float32 leaf that the
+  jit being traced computed by widening a bfloat16 or float16 array (`x.astype(float32)`,
+  as the backward pass of a model with bfloat16 compute gives float32 parameters their
+  gradients), that array, and the leaf itself for any other; None where no leaf is such.
+
+  The widening is exact, so the norms are those of the leaves. A custom call reads its
+  operands from memory: given the float32 leaf, XLA writes it out for the call (4 bytes
+  an element, read again by the kernel) where the optimizer's update alone would have
+  widened the narrow array as it read it. Reading the narrow array costs 2 bytes an
+  element and nothing else. Only a leaf traced in the same jit as its widening is known
+  to be one (JAX's trace records the equation that made it): under `vmap` or `grad`, or
+  for an argument of the jit, the call reads the leaf.
+  """
+  def source(x):
+    eqn = getattr(x, "parent", None)  # the equation that made x, in JAX's trace
+    if (getattr(getattr(eqn, "primitive", None), "name", None) != "convert_element_type"
+        or jnp.dtype(x.dtype) != jnp.float32 or len(getattr(eqn, "in_tracers", ())) != 1):
+      return x
+    narrow = eqn.in_tracers[0]
+    same_trace = getattr(narrow, "_trace", None) is getattr(x, "_trace", False)
+    if (same_trace and narrow.shape == x.shape
+        and jnp.dtype(narrow.dtype) in _NARROW_FLOATS):
+      return narrow
+    return x
+
+  sources = [source(x) for x in leaves]
+  return None if all(s is x for s, x in zip(sources, leaves)) else sources
+
+
+def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by, norm_inputs=None):
   """The clip of `leaves` in one custom call.
 
   `scale_by` says who multiplies the leaves by the clip's factor:
@@ -46,12 +79,16 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
     whatever consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
+  `norm_inputs` (see `widened_from`): what the norm kernels read where it is not `leaves`
+  (the same values); "kernel" writes the leaves and reads them.
+
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
   one per leaf); `flags` is int32[2] (clipped, nonfinite).
   """
   n = len(leaves)
   sizes = [int(np.prod(x.shape)) for x in leaves]
   in_place = scale_by == "kernel"
+  operands = leaves if in_place or norm_inputs is None else norm_inputs
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if in_place else []
   out_types += [
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),
@@ -62,7 +99,7 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by):
   aliases = {i + 1: i for i in range(n)} if in_place else {}
   call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
                           vmap_method="sequential")
-  outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *leaves,
+  outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *operands,
               mode=np.int64(_options.MODES.index(mode)),
               on_nonfinite=np.int64(_options.NONFINITE_POLICIES.index(on_nonfinite)))
   if in_place:

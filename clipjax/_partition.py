@@ -14,7 +14,7 @@ devices.
   resharded) and lowers, per device, either the whole clip (every leaf whole on every
   device) or `_shards.clip_shards` (norms of the local shards, an all-reduce of a few
   floats per leaf over the axes each leaf is split on, then the scale);
-- with a single device (`_nothing_to_partition`) the whole call is traced directly.
+- with a single device (`nothing_to_partition`) the whole call is traced directly.
 
 Leaves split by their types (Explicit mesh axes) must keep to them op by op: there the
 pure-JAX clip by rows runs in a `shard_map` over the types' specs instead (`clip_by_rows`).
@@ -50,24 +50,30 @@ def pure_jax_clip(max_norm, leaves, *, by_rows: bool, mode, on_nonfinite, scale_
 
 
 def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
-  """The clip of whole leaves (a tuple). impl="ffi": one custom call, or for a tree of more
-  than `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves
-  each with the decision between them (`_shards.clip_shards` with no mesh axes).
-  impl="jax": the pure-JAX clip by rows (`pure_jax_clip`), which is partitioned here only
-  where it finishes its sums by rows (see `_dispatch.run`).
+  """The clip of whole leaves (a tuple), as `custom_partitioning` calls it: `_whole_clip`.
 
   The leaves travel as one tuple, here and through `_batchable`, rather than as one
   argument each: JAX handles each positional argument of a custom_partitioning call
   against every other (quadratic in their number: seconds at 20,000 leaves)."""
   del ranks  # static: only the sharding rule reads it
-  leaves = list(leaves)
+  return _whole_clip(max_norm, list(leaves), impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                     scale_by=scale_by)
+
+
+def _whole_clip(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=None):
+  """The clip of whole leaves. impl="ffi": one custom call, or for a tree of more than
+  `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
+  with the decision between them (`_shards.clip_shards` with no mesh axes), the norms of
+  `norm_inputs` where given (`_ffi.widened_from`). impl="jax": the pure-JAX clip by rows
+  (`pure_jax_clip`), which is partitioned here only where it finishes its sums by rows
+  (see `_dispatch.run`)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "jax":
     return pure_jax_clip(max_norm, leaves, by_rows=True, **kwargs)
   if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
-    return flat_outputs(*_ffi.clip_call(max_norm, leaves, **kwargs))
+    return flat_outputs(*_ffi.clip_call(max_norm, leaves, norm_inputs=norm_inputs, **kwargs))
   return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
-                                           **kwargs))
+                                           norm_inputs=norm_inputs, **kwargs))
 
 
 def _sharding_rule(impl, mode, on_nonfinite, scale_by, ranks, mesh, operand_types,
@@ -178,7 +184,7 @@ def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
   return call
 
 
-def _nothing_to_partition() -> bool:
+def nothing_to_partition() -> bool:
   """Whether JAX sees a single device, with no mesh of more devices set: then no jit can
   split a leaf, and the partitioner would only inline the whole call."""
   mesh_size = math.prod(jax.sharding.get_abstract_mesh().axis_sizes)
@@ -222,16 +228,19 @@ def clip_by_rows(leaves, *, mode: str, on_nonfinite: str, scale_by):
       max_norm, list(xs), mesh, specs, leaf_axes, impl="jax", by_rows=True, **kwargs))
 
 
-def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: str, scale_by):
+def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: str, scale_by,
+                     norm_inputs=None):
   """The clip by `impl` ("ffi" or "jax"), partitioned per shard under jit (the contract of
   `_ffi.clip_call`).
 
   On a single device the whole call is traced as it is, without `custom_partitioning` and
   `custom_vmap`, whose per-leaf work costs time and memory on many leaves (at 20,000
   leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
-  then batch under `jax.vmap` by themselves, one call per batch element."""
-  if _nothing_to_partition():
-    outs = _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, tuple(leaves))
+  then batch under `jax.vmap` by themselves, one call per batch element. Only there do
+  the norms read `norm_inputs` (`_ffi.widened_from`) where given."""
+  if nothing_to_partition():
+    outs = _whole_clip(max_norm, list(leaves), impl=impl, mode=mode,
+                       on_nonfinite=on_nonfinite, scale_by=scale_by, norm_inputs=norm_inputs)
   else:
     ranks = tuple(x.ndim for x in leaves)
     outs = _batchable(impl, mode, on_nonfinite, scale_by, ranks)(max_norm, tuple(leaves))

@@ -309,12 +309,18 @@ def test_chain_with_adamw_follows_the_optax_trajectory(impl):
 
 
 def test_jit_matches_eager(impl):
+  """The same bits eagerly and under jit, but for the pure-JAX path on a GPU: there XLA
+  orders its row sums' reductions one way where it fuses them into the squares (under jit)
+  and another where each op runs alone, so the norm may differ in its last bit and the
+  clipped leaves by one rounding (seen on an H100: 1 ulp)."""
   tree = random_tree(jax.random.key(6), [(300,), (4, 4)], scale=2.0)
   f = lambda t: clipjax.clip_tree(t, 1.0, impl=impl)
   eager, jitted = f(tree), jax.jit(f)(tree)
+  ulps = 2 if impl == "jax" and jax.default_backend() == "gpu" else 0
+  rtol = ulps * np.finfo(np.float32).eps
   for k in tree:
-    np.testing.assert_array_equal(eager.updates[k], jitted.updates[k])
-  assert float(eager.global_norm) == float(jitted.global_norm)
+    np.testing.assert_allclose(eager.updates[k], jitted.updates[k], rtol=rtol, atol=0)
+  np.testing.assert_allclose(eager.global_norm, jitted.global_norm, rtol=rtol, atol=0)
 
 
 def test_inputs_are_not_modified_without_donation(impl):

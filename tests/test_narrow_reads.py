@@ -1,0 +1,129 @@
+"""The custom call's norms read a float32 leaf that the same jit widened from bfloat16 or
+float16 in its narrow form (`_ffi.widened_from`): the gradients of a model with bfloat16
+compute and float32 parameters, which XLA would otherwise write out in float32 for the
+call. The norms, the clipped leaves and the derivative are those of the float32 leaves.
+It runs on the default backend: the CPU handler here, the CUDA kernels on a GPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipjax
+from clipjax import _native
+
+pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
+
+SHAPES = [(64, 48), (48,), (7, 5, 3), (9, 4), (70_001,)]
+NARROW = (jnp.bfloat16, jnp.float16, jnp.bfloat16, None, jnp.float16)  # None: float32
+
+
+def _inputs(seed=0, scale=3.0):
+  rng = np.random.default_rng(seed)
+  # float16's range is narrow: its leaves keep their scale.
+  return [jnp.asarray(rng.standard_normal(s) * (3.0 if d == jnp.float16 else scale),
+                      d or jnp.float32) for s, d in zip(SHAPES, NARROW)]
+
+
+def _widened(xs):
+  """The tree the clip sees: float32 leaves, all but one widened inside the jit."""
+  return [x.astype(jnp.float32) if x.dtype != jnp.float32 else x * 2 for x in xs]
+
+
+def _clip(xs, **kwargs):
+  return clipjax.clip_tree(_widened(xs), 1.0, **kwargs)
+
+
+def _call_operand_types(text):
+  """Each clip custom call's leaf operand types, as `tensor<...>` strings."""
+  calls = [line for line in text.splitlines() if "@clipjax_andrea_clip(" in line]
+  return [re.findall(r"tensor<[^>]*>", c.rsplit(" : (", 1)[1].split(") ->")[0])[1:]
+          for c in calls]
+
+
+def test_the_norms_read_the_narrow_arrays_and_the_kernel_scale_the_float32_leaves():
+  xs = _inputs()
+  want = ["tensor<64x48xbf16>", "tensor<48xf16>", "tensor<7x5x3xbf16>", "tensor<9x4xf32>",
+          "tensor<70001xf16>"]
+  fused = jax.jit(lambda xs: _clip(xs, impl="ffi", scale="fused")).lower(xs)
+  norm = jax.jit(lambda xs: clipjax.global_norm(_widened(xs), impl="ffi")).lower(xs)
+  assert _call_operand_types(fused.as_text()) == [want]
+  assert _call_operand_types(norm.as_text()) == [want]
+  # The kernel that writes the leaves in place reads them as they are (clip_tree's "auto").
+  text = jax.jit(lambda xs: _clip(xs, impl="ffi")).lower(xs).as_text()
+  assert all("f32" in t for t in _call_operand_types(text)[0])
+
+
+def test_more_leaves_than_one_call_takes():
+  """Above `_ffi.MAX_LEAVES_PER_CALL` leaves the norms run in several calls, each reading
+  the narrow arrays, and the clip is that of the float32 leaves."""
+  xs = [jnp.full((3 + i % 4,), 1 + i % 7, jnp.bfloat16) for i in range(300)]
+  fn = jax.jit(lambda xs: clipjax.andrea_clip(1.0, impl="ffi").update(
+      [x.astype(jnp.float32) for x in xs], clipjax.andrea_clip(1.0).init(xs))[0])
+  types = _call_operand_types(fn.lower(xs).as_text())
+  assert len(types) == 2 and all(t.endswith("xbf16>") for call in types for t in call)
+  want = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="jax").updates)(
+      [x.astype(jnp.float32) for x in xs])
+  for g, w in zip(fn(xs), want):
+    np.testing.assert_allclose(g, w, rtol=4e-7)
+
+
+def test_leaves_passed_to_the_jit_are_read_as_they_are():
+  leaves = _widened(_inputs())
+  text = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi")).lower(leaves).as_text()
+  assert all("f32" in t for t in _call_operand_types(text)[0])
+
+
+@pytest.mark.parametrize("scale_factor", [3.0, 1e-30, 1e25])
+def test_results_are_those_of_the_float32_leaves(scale_factor):
+  """Against the same float32 leaves passed to the jit (read as float32): the same norms
+  within float32 rounding, the same clipped leaves, across the float range."""
+  xs = _inputs(1, scale_factor)
+  got = jax.jit(lambda xs: _clip(xs, impl="ffi", scale="fused"))(xs)
+  leaves = jax.jit(_widened)(xs)
+  want = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi", scale="fused"))(leaves)
+  np.testing.assert_allclose(got.global_norm, want.global_norm, rtol=2e-7)
+  np.testing.assert_allclose(got.leaf_norms, want.leaf_norms, rtol=2e-7)
+  assert bool(got.clipped) == bool(want.clipped)
+  for g, w in zip(got.updates, want.updates):
+    np.testing.assert_allclose(g, w, rtol=4e-7, atol=0)
+
+
+def test_derivative_and_vmap():
+  """The derivative (which takes no account of the narrow reads) matches the pure-JAX
+  clip's; under vmap the leaves are read as they are, once per batch element."""
+  xs = _inputs(2)
+
+  def summed(impl):
+    return jax.jit(jax.grad(lambda xs: sum(jnp.sum(u) for u in _clip(xs, impl=impl).updates)))
+
+  for a, b in zip(summed("ffi")(xs), summed("jax")(xs)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-2, atol=1e-6)
+  batched = [jnp.stack([x, 2 * x]) for x in xs]
+  norms = jax.jit(jax.vmap(lambda xs: _clip(xs, impl="ffi").global_norm))(batched)
+  one = jax.jit(lambda xs: _clip(xs, impl="ffi").global_norm)(xs)
+  np.testing.assert_allclose(norms, [one, 2 * one], rtol=2e-7)
+
+
+def test_auto_lowered_for_cuda_reads_the_narrow_arrays(monkeypatch):
+  """impl="auto" lowered for CUDA (here without a GPU): `andrea_clip` ahead of adamw, in a
+  step whose model computes in bfloat16, reads the parameters' bfloat16 gradients."""
+  monkeypatch.setattr(_native, "cuda_usable", lambda: True)
+  params = {"w": jnp.ones((32, 16)), "b": jnp.zeros((16,))}
+  tx = optax.chain(clipjax.andrea_clip(1.0), optax.adamw(1e-3))
+
+  def step(params, opt_state, x):
+    def loss(p):
+      y = x.astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16) + p["b"].astype(jnp.bfloat16)
+      return jnp.sum(y.astype(jnp.float32) ** 2)
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  text = jax.jit(step).trace(params, tx.init(params), jnp.ones((4, 32))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  (types,) = _call_operand_types(text)
+  assert sorted(types) == ["tensor<16xbf16>", "tensor<32x16xbf16>"]
