@@ -9,7 +9,6 @@ them gathers a leaf.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -102,14 +101,13 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   tangent = pure_jax_tangent(**kwargs)
-  reads = (_ffi.widened_from(leaves) if scale_by != "kernel" and _has_custom_call(impl, leaves)
-           and _partition.nothing_to_partition() else None)
-  if reads is None:
-    return differentiable(functools.partial(_run, impl=impl, **kwargs), max_norm, leaves,
-                          tangent)
+  custom_call = _has_custom_call(impl, leaves)
+  reads = (custom_call and scale_by != "kernel" and _partition.nothing_to_partition()
+           and _ffi.widened_from(leaves)) or []
   n = len(leaves)
   return differentiable(
-      lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, norm_inputs=xs[n:], **kwargs),
+      lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, custom_call=custom_call,
+                                norm_inputs=xs[n:], **kwargs),
       max_norm, [*leaves, *reads],
       lambda primals, tangents: tangent((primals[0], primals[1][:n]),
                                         (tangents[0], tangents[1][:n])))
@@ -156,8 +154,11 @@ def no_tangent(why: str):
   return tangent
 
 
-def _run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=None):
+def _run(max_norm, leaves, *, impl, custom_call, mode, on_nonfinite, scale_by, norm_inputs):
+  """`run`'s clip, with `custom_call` (`_has_custom_call`) and the arrays the custom call's
+  norms read in place of the leaves (none, or one per leaf)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  norm_inputs = list(norm_inputs) or None
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, impl="ffi", norm_inputs=norm_inputs,
                                        **kwargs)
@@ -167,15 +168,14 @@ def _run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=No
   def leaf_by_leaf(max_norm, *xs):
     return _partition.pure_jax_clip(max_norm, xs[:n], by_rows=False, **kwargs)
 
-  def custom_call(max_norm, *xs):
+  def on_cuda(max_norm, *xs):
     return _partition.flat_outputs(*_partition.partitioned_clip(
         max_norm, list(xs[:n]), impl="ffi", norm_inputs=list(xs[n:]) or None, **kwargs))
 
   rows = _partition.clip_by_rows(leaves, **kwargs)
   by_rows = (lambda max_norm, *xs: rows(max_norm, *xs[:n])) if rows else leaf_by_leaf
-  on_cuda = {"cuda": custom_call} if _has_custom_call(impl, leaves) else {}
   outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves,
-                                *(norm_inputs or ()), **on_cuda)
+                                *(norm_inputs or ()), **({"cuda": on_cuda} if custom_call else {}))
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 
