@@ -48,7 +48,10 @@ process.
 --kernels N says where a variant's device time goes: from the profiled round, each kernel
 is classed by the kind of fusion XLA made and the shape it writes (gemm_fusion_dot
 bf16[768,2304], wrapped_slice bf16[768,768], ...), and the N classes whose time per step
-differs most from adamw alone's are printed, with their counts (the JSON holds every class).
+differs most from adamw alone's are printed, with their counts (the JSON holds every class),
+and then what wrote each operand of the clip's custom calls (benchlib.profiling.call_operands):
+a class that adamw alone's kernels lack is an array XLA wrote for the call. --hlo-dir keeps
+each variant's optimized HLO, to read those fusions.
 
 docs/wall_clock.md says what it measured.
 """
@@ -134,6 +137,9 @@ def parse_args(argv=None):
                  "differs most from adamw alone's (from the profiled round)")
   p.add_argument("--max-seconds", type=float, default=0,
                  help="start no new case after this many seconds (0: no limit)")
+  p.add_argument("--hlo-dir", default=None,
+                 help="write each variant's optimized HLO module here (MODEL-bBATCH-DTYPE-"
+                      "VARIANT.hlo.txt), to read the fusions XLA made")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
   p.add_argument("--quick", action="store_true", help="the tiny model, few steps: a CPU run")
   args = p.parse_args(argv)
@@ -144,6 +150,8 @@ def parse_args(argv=None):
     p.error("--steps, --rounds and --host-steps must be at least 1")
   args.variants = choices(p, "--variants", args.variants, LABELS)
   args.cases = [parse_case(p, c) for c in args.cases.split(",") if c.strip()]
+  if args.hlo_dir:
+    os.makedirs(args.hlo_dir, exist_ok=True)
   return args
 
 
@@ -194,7 +202,7 @@ def chain(variant):
 class Runner:
   """One variant's jitted step and its state, carried from round to round."""
 
-  def __init__(self, variant, graphdef, params, tokens):
+  def __init__(self, variant, graphdef, params, tokens, hlo_path=None):
     tx = chain(variant)
     self.variant, self.tokens = variant, tokens
     self.fn = make_step(graphdef, tx)
@@ -203,6 +211,9 @@ class Runner:
     compiled = self.fn.lower(*self.state, tokens).compile()
     self.compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
+    if hlo_path:
+      with open(hlo_path, "w") as f:
+        f.write(hlo)
     self.hlo, self.shapes = profiling.hlo_summary(hlo), profiling.instruction_shapes(hlo)
     self.run(2)  # warm-up: the first calls after a compile are slower
 
@@ -246,7 +257,9 @@ def make_runners(name, batch, dtype, args, torch):
                                  weight_decay=WEIGHT_DECAY))
       log(f"{name} batch {batch} {dtype}: {v} ready")
     else:
-      runners.append(Runner(v, graphdef, params, tokens))
+      hlo_path = args.hlo_dir and os.path.join(args.hlo_dir,
+                                               f"{name}-b{batch}-{dtype}-{v}.hlo.txt")
+      runners.append(Runner(v, graphdef, params, tokens, hlo_path))
       log(f"{name} batch {batch} {dtype}: {v} compiled in {runners[-1].compile_s:.1f} s")
   return runners
 
@@ -350,13 +363,19 @@ def main(argv=None):
       print(f"host ms per step by event, {row['label']}: " +
             "; ".join(f"{k[:60]} {v:.3f}" for k, v in events), flush=True)
     base = next((r for r in case_rows if r["variant"] == "none"), None)
-    for row in case_rows if args.kernels and base and base["device_us_by_kernel"] else []:
-      if row is not base and row["variant"] in VARIANTS:
+    for row in case_rows if args.kernels else []:
+      if row is base or row["variant"] not in VARIANTS:
+        continue
+      if base and base["device_us_by_kernel"]:
         deltas = profiling.kernel_deltas(row["device_us_by_kernel"],
                                          base["device_us_by_kernel"], args.kernels)
         print(f"device us per step by kernel class, {row['label']} against adamw alone "
               "(class: kernels there, here; us more): " + "; ".join(
                   f"{k} {n0:g}, {n1:g}: {us:+.1f}" for k, n0, n1, us in deltas), flush=True)
+      operands = sorted(row["hlo"]["call_operands"].items(), key=lambda kv: -kv[1])
+      if operands:
+        print(f"the custom calls' operands by what wrote them, {row['label']}: " +
+              "; ".join(f"{k} {n}" for k, n in operands), flush=True)
   print(table(results["rows"]))
   if results["targets"]:
     print(targets.verdicts_text(results["targets"]))

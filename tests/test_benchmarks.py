@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchlib import clips, timing, trees  # noqa: E402
+from benchlib import clips, profiling, timing, trees  # noqa: E402
 from conftest import load_script  # noqa: E402
 from watched import run_watched  # noqa: E402
 
@@ -206,7 +206,9 @@ def test_bench_dispatch_quick(tmp_path):
 
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_train_step_quick(tmp_path):
-  results, stdout = run_quick("bench_train_step.py", tmp_path)
+  hlo_dir = tmp_path / "hlo"
+  results, stdout = run_quick("bench_train_step.py", tmp_path, "--hlo-dir", str(hlo_dir),
+                              "--kernels", "3")
   assert results["meta"]["complete"] and "REAL TRAINING STEP" in stdout
   rows = results["rows"]
   variants = ("none", "none_again", "andrea", "andrea_kernel", "andrea_jax", "optax")
@@ -226,6 +228,8 @@ def test_bench_train_step_quick(tmp_path):
     assert row["host_paired_vs_adamw"]["rounds"] == pytest.approx(paired)
     assert row["device_ms"] is None and row["hlo"]["fusions"] > 0  # a CPU: no trace
     assert row["device_us_by_kernel"] == {}
+    hlo = (hlo_dir / f"tiny-b2-{row['dtype']}-{row['variant']}.hlo.txt").read_text()
+    assert "HloModule" in hlo and row["hlo"]["call_operands"] == profiling.call_operands(hlo)
     if row["variant"] == "none_again":  # the control: the same program, timed apart
       assert row["hlo"] == alone["hlo"] and row["wall_ms"]["rounds"] != alone["wall_ms"]["rounds"]
     if row["variant"].startswith("andrea"):

@@ -1,7 +1,7 @@
 """What the benchmarks read from a profile and a compiled program: the GPU's busy time, the
 kernels by name and by class (the fusion XLA made, the shape it writes), how two steps'
-classes differ, and the collectives in an optimized module. Synthetic traces and HLO, so
-they run on the CPU."""
+classes differ, the collectives in an optimized module, and what wrote each operand of the
+clip's custom call. Synthetic traces and HLO, or programs compiled for the CPU."""
 
 import pathlib
 import sys
@@ -85,3 +85,35 @@ def test_collectives_are_counted_with_their_largest_buffer():
   got = profiling.hlo_summary(hlo)
   assert got["collectives"] == {"all-reduce": 1, "all-gather": 1}
   assert got["collective_max_elements"] == 591 and got["custom_calls"] == 1
+
+
+def test_call_operands_name_what_wrote_each_operand_of_the_custom_call():
+  """In a compiled update, the clip's custom call reads a parameter as it is, and a slice
+  or a product of the step's own making as the fusion XLA wrote for it; bitcasts between
+  are looked through, and the call's first operand (max_norm) is not a leaf's."""
+  import jax
+  import jax.numpy as jnp
+
+  import clipjax
+
+  tx = clipjax.andrea_clip(1.0, impl="ffi")
+
+  def update(a, b):
+    tree = {"a": a, "b": (b * 3.0)[:, :16], "c": (b + 1.0).reshape(-1)}
+    return tx.update(tree, tx.init(tree))[0]
+
+  a, b = jnp.ones((8, 4)), jnp.ones((4, 32))
+  hlo = jax.jit(update).lower(a, b).compile().as_text()
+  found = profiling.call_operands(hlo)
+  assert sum(found.values()) == 3, found
+  assert found.get("parameter f32[8,4]") == 1, found
+  assert [k for k in found if k.endswith("f32[4,16]") and "fusion" in k], found
+  assert [k for k in found if k.endswith("f32[128]") and not k.startswith("parameter")], found
+  assert profiling.hlo_summary(hlo)["call_operands"] == found
+  # The scale call's leaves follow its factors and actions. It writes over its leaves, so
+  # an argument of the jit that is not donated reaches it through a copy.
+  from clipjax import _ffi
+  scaled = jax.jit(lambda a, b: _ffi.scale_call(0.5, 0.0, False, False, [a, (b * 3.0)[:, :16]]))
+  found = profiling.call_operands(scaled.lower(a, b).compile().as_text())
+  assert sum(found.values()) == 2 and found.get("copy f32[8,4]") == 1, found
+  assert profiling.call_operands(jax.jit(lambda x: x * 2).lower(a).compile().as_text()) == {}

@@ -185,8 +185,9 @@ def compile_summary(jitted, *args):
 
 
 def hlo_summary(hlo: str) -> dict:
-  """Counts in an optimized HLO module: fusions, clipjax custom calls, copies, and the
-  collectives (count per op, largest buffer in elements)."""
+  """Counts in an optimized HLO module: fusions, clipjax custom calls and their operands by
+  producer (`call_operands`), copies, and the collectives (count per op, largest buffer in
+  elements)."""
   counts, largest = {}, 0
   for line in hlo.splitlines():
     m = COLLECTIVE_RE.search(line)
@@ -196,9 +197,68 @@ def hlo_summary(hlo: str) -> dict:
                for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
       largest = max(largest, max(sizes, default=1))
   return {"fusions": len(re.findall(r"\sfusion\(", hlo)),
-          "custom_calls": hlo.count(CUSTOM_CALL),
+          "custom_calls": hlo.count(CUSTOM_CALL), "call_operands": call_operands(hlo),
           "copies": len(re.findall(r"\scopy(?:-start)?\(", hlo)),
           "collectives": counts, "collective_max_elements": largest}
+
+
+def call_operands(hlo: str) -> dict:
+  """{producer class: operands} of the clipjax custom calls in an optimized HLO module: the
+  kind of fusion or instruction that wrote each operand the calls read, looked through
+  bitcasts and tuple elements (gemm_fusion_dot, wrapped_slice, parameter, ...), with the
+  operand's shape without layouts.
+
+  A custom call reads its operands from memory, so each is an array that XLA writes out;
+  where the optimizer alone reads the same value inside its own kernels (a slice of a
+  merged matmul, a convert, the sum of a split matmul), that write is the call's. Set
+  beside the kernel classes (`kernel_classes`) of the step without the call, the classes
+  here say which of the call's operands XLA wrote for it."""
+  out: dict = {}
+  for body in _computations(hlo):
+    for call, (_, _, operands, line) in body.items():
+      target = re.search(r'custom_call_target="(clipjax_\w+)"', line)
+      # The leaves follow max_norm in the clip call, the factors and actions in the scale call.
+      for operand in operands[_LEAVES_FROM.get(target and target[1], len(operands)):]:
+        producer = operand
+        while producer in body and body[producer][1] in _VIEWS:
+          producer = body[producer][2][0]
+        if producer not in body:
+          continue
+        stem = re.sub(r"(\.\d+|\.clone)+$", "", producer)
+        kind = stem if body[producer][1] == "fusion" else body[producer][1]
+        key = f"{kind} {body[operand][0]}"
+        out[key] = out.get(key, 0) + 1
+  return out
+
+
+_LEAVES_FROM = {"clipjax_andrea_clip": 1, "clipjax_andrea_scale": 2}
+_VIEWS = ("bitcast", "get-tuple-element")
+_INSTRUCTION_RE = re.compile(r"^\s+(?:ROOT )?%?([\w.-]+) = (\([^()]*\)|\S+) ([\w-]+)\(")
+
+
+def _computations(hlo: str):
+  """Each computation of an HLO module's text as {instruction: (shape without layouts,
+  opcode, operand names, line)}."""
+  body: dict = {}
+  for line in hlo.splitlines():
+    if line and not line[0].isspace():
+      if body:
+        yield body
+      body = {}
+      continue
+    m = _INSTRUCTION_RE.match(line)
+    if not m:
+      continue
+    start, depth = m.end(), 1
+    for end in range(start, len(line)):
+      depth += {"(": 1, ")": -1}.get(line[end], 0)
+      if depth == 0:
+        break
+    args = re.sub(r"/\*[^*]*\*/", "", line[start:end])
+    operands = [a.strip().lstrip("%") for a in args.split(",") if a.strip().startswith("%")]
+    body[m.group(1)] = (re.sub(r"\{[^}]*\}", "", m.group(2)), m.group(3), operands, line)
+  if body:
+    yield body
 
 
 def memory_summary(compiled):
