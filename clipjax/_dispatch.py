@@ -102,8 +102,8 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   tangent = pure_jax_tangent(**kwargs)
   custom_call = _has_custom_call(impl, leaves)
-  reads = (custom_call and scale_by != "kernel" and _partition.nothing_to_partition()
-           and _ffi.widened_from(leaves)) or []
+  # `_partition.partitioned_clip` hands them to the norms where nothing is partitioned.
+  reads = (custom_call and scale_by != "kernel" and _ffi.widened_from(leaves)) or []
   n = len(leaves)
   return differentiable(
       lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, custom_call=custom_call,

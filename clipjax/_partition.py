@@ -14,7 +14,7 @@ devices.
   resharded) and lowers, per device, either the whole clip (every leaf whole on every
   device) or `_shards.clip_shards` (norms of the local shards, an all-reduce of a few
   floats per leaf over the axes each leaf is split on, then the scale);
-- with a single device (`nothing_to_partition`) the whole call is traced directly.
+- with a single device (`_nothing_to_partition`) the whole call is traced directly.
 
 Leaves split by their types (Explicit mesh axes) must keep to them op by op: there the
 pure-JAX clip by rows runs in a `shard_map` over the types' specs instead (`clip_by_rows`).
@@ -184,7 +184,7 @@ def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
   return call
 
 
-def nothing_to_partition() -> bool:
+def _nothing_to_partition() -> bool:
   """Whether JAX sees a single device, with no mesh of more devices set: then no jit can
   split a leaf, and the partitioner would only inline the whole call."""
   mesh_size = math.prod(jax.sharding.get_abstract_mesh().axis_sizes)
@@ -238,7 +238,7 @@ def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: st
   leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
   then batch under `jax.vmap` by themselves, one call per batch element. Only there do
   the norms read `norm_inputs` (`_ffi.widened_from`) where given."""
-  if nothing_to_partition():
+  if _nothing_to_partition():
     outs = _whole_clip(max_norm, list(leaves), impl=impl, mode=mode,
                        on_nonfinite=on_nonfinite, scale_by=scale_by, norm_inputs=norm_inputs)
   else:
