@@ -94,21 +94,21 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   where the leaves' layout is not known before partitioning; elsewhere the pure-JAX clip
   leaf by leaf, which XLA's partitioner splits like any reduction.
 
-  On a single device the custom call's norms read a float32 leaf that this jit widened
-  from bfloat16 or float16 in its narrow form (`_ffi.widened_from`). Those arrays travel
-  beside the leaves, and the derivative takes no account of them: they hold the leaves'
-  values.
+  On a single device the custom call's norms read a leaf that this jit converted to or
+  from float32 in its cheaper source (`_ffi.norm_sources`). Those arrays travel beside the
+  leaves, and the derivative takes no account of them: they hold the leaves' values.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   tangent = pure_jax_tangent(**kwargs)
   custom_call = _has_custom_call(impl, leaves)
   # `_partition.partitioned_clip` hands them to the norms where nothing is partitioned.
-  reads = (custom_call and scale_by != "kernel" and _ffi.widened_from(leaves)) or []
+  reads = (custom_call and scale_by != "kernel" and _ffi.norm_sources(leaves)) or None
   n = len(leaves)
   return differentiable(
       lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, custom_call=custom_call,
-                                norm_inputs=xs[n:], **kwargs),
-      max_norm, [*leaves, *reads],
+                                norm_inputs=reads and reads._replace(arrays=list(xs[n:])),
+                                **kwargs),
+      max_norm, [*leaves, *(reads.arrays if reads else ())],
       lambda primals, tangents: tangent((primals[0], primals[1][:n]),
                                         (tangents[0], tangents[1][:n])))
 
@@ -155,10 +155,9 @@ def no_tangent(why: str):
 
 
 def _run(max_norm, leaves, *, impl, custom_call, mode, on_nonfinite, scale_by, norm_inputs):
-  """`run`'s clip, with `custom_call` (`_has_custom_call`) and the arrays the custom call's
-  norms read in place of the leaves (none, or one per leaf)."""
+  """`run`'s clip, with `custom_call` (`_has_custom_call`) and what the custom call's norms
+  read in place of the leaves (`_ffi.NormInputs`, or None)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
-  norm_inputs = list(norm_inputs) or None
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, impl="ffi", norm_inputs=norm_inputs,
                                        **kwargs)
@@ -170,12 +169,14 @@ def _run(max_norm, leaves, *, impl, custom_call, mode, on_nonfinite, scale_by, n
 
   def on_cuda(max_norm, *xs):
     return _partition.flat_outputs(*_partition.partitioned_clip(
-        max_norm, list(xs[:n]), impl="ffi", norm_inputs=list(xs[n:]) or None, **kwargs))
+        max_norm, list(xs[:n]), impl="ffi",
+        norm_inputs=norm_inputs and norm_inputs._replace(arrays=list(xs[n:])), **kwargs))
 
   rows = _partition.clip_by_rows(leaves, **kwargs)
   by_rows = (lambda max_norm, *xs: rows(max_norm, *xs[:n])) if rows else leaf_by_leaf
   outs = _jax_impl.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves,
-                                *(norm_inputs or ()), **({"cuda": on_cuda} if custom_call else {}))
+                                *(norm_inputs.arrays if norm_inputs else ()),
+                                **({"cuda": on_cuda} if custom_call else {}))
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

@@ -109,8 +109,9 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     impl: "ffi" (custom calls) or "jax".
     scale_by: "kernel" (one scale call, `k_grad_scale`, for impl="ffi"), "fused" (XLA
       elementwise ops) or None (the norms only); see `_ffi.clip_call`.
-    norm_inputs: what the norms are taken of, where it differs from `shards` (a shard
-      with padding, masked to zero); the scale always applies to `shards`.
+    norm_inputs: what the norms are taken of (`_ffi.NormInputs`), where it differs from
+      `shards` (a shard with padding, masked to zero; a leaf's cheaper source, for
+      impl="ffi"); the scale always applies to `shards`.
     by_rows: for impl="jax", how each device finishes its sums, as
       `_jax_impl.clip_leaves` takes it (None: decided when lowering, by platform).
 
@@ -118,7 +119,8 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     (out_shards or None, norms f32[n + 1], flags int32[2]), as the custom call does;
     all but the shards are the same on every device.
   """
-  norm_inputs = shards if norm_inputs is None else norm_inputs
+  if norm_inputs is None:
+    norm_inputs = _ffi.NormInputs(shards, (None,) * len(shards))
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
@@ -130,8 +132,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   step = _ffi.MAX_LEAVES_PER_CALL
   call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
   for members in by_axes.values():
-    norms = [_norms(impl, max_norm, [norm_inputs[i] for i in members[k:k + step]], mode,
-                    by_rows)[1]
+    norms = [_norms(impl, max_norm, norm_inputs.pick(members[k:k + step]), mode, by_rows)[1]
              for k in range(0, len(members), step)]
     roots, exps = _whole_leaf_norms(jnp.concatenate(norms), leaf_axes[members[0]])
     for x, calls, leaves in ((roots, call_roots, leaf_roots), (exps, call_exps, leaf_exps)):
@@ -164,11 +165,13 @@ def _split_calls(x, num_leaves, step):
           jnp.concatenate([whole[:, 1:].reshape(-1), rest[1:]]))
 
 
-def _norms(impl, max_norm, leaves, mode, by_rows):
-  """(None, norms, flags) of `leaves` by `impl`: the norms alone."""
+def _norms(impl, max_norm, reads, mode, by_rows):
+  """(None, norms, flags) by `impl` of what `reads` (`_ffi.NormInputs`) gives: the norms
+  alone. Only the custom call reads a source rounded (`_ffi.norm_sources`)."""
   if impl == "ffi":
-    return _ffi.clip_call(max_norm, leaves, mode=mode, on_nonfinite="propagate", scale_by=None)
-  return _jax_impl.clip_leaves(max_norm, leaves, mode=mode, on_nonfinite="propagate",
+    return _ffi.clip_call(max_norm, reads.arrays, mode=mode, on_nonfinite="propagate",
+                          scale_by=None, norm_inputs=reads)
+  return _jax_impl.clip_leaves(max_norm, reads.arrays, mode=mode, on_nonfinite="propagate",
                                scale_leaves=False, by_rows=by_rows)
 
 

@@ -89,8 +89,15 @@ struct F16Leaf {
   static float Load(uint16_t v) { return F16ToFloat(v); }
   static uint16_t Store(float v) { return FloatToF16(v); }
 };
-
-int64_t ElementBytes(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+// Float32 operands that the norms read rounded to the narrowed leaf's type (never scaled).
+struct F32AsBF16Leaf {
+  using Storage = float;
+  static float Load(float v) { return Bf16ToFloat(FloatToBf16(v)); }
+};
+struct F32AsF16Leaf {
+  using Storage = float;
+  static float Load(float v) { return F16ToFloat(FloatToF16(v)); }
+};
 
 // Sum of squares in float64 with eight independent accumulators added in a
 // fixed order at the end: deterministic, and not bound by one add's latency.
@@ -144,7 +151,7 @@ void Scale(const LeafDesc* leaves, int64_t num_leaves, const LeafScale* leaf_sca
   for (int64_t i = 0; i < num_leaves; ++i) {
     const LeafDesc& leaf = leaves[i];
     if (leaf.out != leaf.in && leaf.num_elements > 0) {
-      std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElementBytes(leaf.dtype));
+      std::memcpy(leaf.out, leaf.in, leaf.num_elements * ElemBytes(leaf.dtype));
     }
     Apply(leaf, leaf_scale[i]);
   }
@@ -154,7 +161,9 @@ double ChunkSumSquares(const LeafDesc& leaf, int64_t begin, int64_t end) {
   switch (leaf.dtype) {
     case kF32: return SumSquares<F32Leaf>(leaf.in, begin, end);
     case kBF16: return SumSquares<BF16Leaf>(leaf.in, begin, end);
-    default: return SumSquares<F16Leaf>(leaf.in, begin, end);
+    case kF16: return SumSquares<F16Leaf>(leaf.in, begin, end);
+    case kF32AsBF16: return SumSquares<F32AsBF16Leaf>(leaf.in, begin, end);
+    default: return SumSquares<F32AsF16Leaf>(leaf.in, begin, end);
   }
 }
 
@@ -204,10 +213,12 @@ void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf
 }
 
 ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets, int64_t mode, int64_t on_nonfinite) {
+                             ffi::RemainingRets rets, int64_t mode, int64_t on_nonfinite,
+                             ffi::Span<const int64_t> read_as) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
-  ffi::Error status = DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
+  ffi::Error status =
+      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, &leaves, &call);
   if (status.failure()) return status;
   auto* partials = reinterpret_cast<double*>(call.workspace + call.layout.partials);
   auto* leaf_range = reinterpret_cast<int64_t*>(call.workspace + call.layout.leaf_range);
@@ -248,7 +259,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCpu, clipjax::AndreaClipCpuImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("on_nonfinite"));
+                                  .Attr<int64_t>("on_nonfinite")
+                                  .Attr<xla::ffi::Span<const int64_t>>("read_as"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCpu, clipjax::AndreaScaleCpuImpl,
                               xla::ffi::Ffi::Bind()

@@ -23,10 +23,11 @@ ffi::Error LaunchResult(cudaError_t err) {
 
 ffi::Error AndreaClipCudaImpl(cudaStream_t stream, ffi::AnyBuffer max_norm,
                               ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t mode,
-                              int64_t on_nonfinite) {
+                              int64_t on_nonfinite, ffi::Span<const int64_t> read_as) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
-  ffi::Error status = DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, &leaves, &call);
+  ffi::Error status =
+      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, &leaves, &call);
   if (status.failure()) return status;
   return LaunchResult(LaunchAndreaClip(call, stream));
 }
@@ -51,7 +52,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCuda, clipjax::AndreaClipCudaImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("on_nonfinite"),
+                                  .Attr<int64_t>("on_nonfinite")
+                                  .Attr<xla::ffi::Span<const int64_t>>("read_as"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCuda, clipjax::AndreaScaleCudaImpl,

@@ -24,12 +24,22 @@ inline bool ToLeafDtype(ffi::DataType t, int32_t* out) {
   }
 }
 
+// The values of the clip call's `read_as` attribute, one per operand: how the norms
+// read it (clipjax/_ffi.py, READ_AS).
+enum ReadAs : int64_t { kAsStored = 0, kRoundedToBF16 = 1, kRoundedToF16 = 2 };
+
 // The leaves (the remaining operands) and, when `scale_leaves`, their results
-// (results 0 ... n - 1), with each leaf's chunk offset.
+// (results 0 ... n - 1), with each leaf's chunk offset. `read_as` is empty (every
+// operand as stored) or holds one ReadAs per operand: a float32 operand read rounded
+// to bfloat16 or float16 becomes a kF32AsBF16 or kF32AsF16 leaf.
 inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                               bool scale_leaves, std::vector<LeafDesc>* leaves,
-                               int64_t* num_chunks) {
+                               bool scale_leaves, ffi::Span<const int64_t> read_as,
+                               std::vector<LeafDesc>* leaves, int64_t* num_chunks) {
   const int64_t n = static_cast<int64_t>(args.size());
+  if (read_as.size() != 0 && static_cast<int64_t>(read_as.size()) != n) {
+    return ffi::Error::InvalidArgument("clipjax: read_as has " + std::to_string(read_as.size()) +
+                                       " values for " + std::to_string(n) + " leaves");
+  }
   leaves->clear();
   leaves->reserve(n);
   int64_t chunk = 0;
@@ -41,6 +51,21 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
       return ffi::Error::InvalidArgument("clipjax: leaf " + std::to_string(i) +
                                          " has an unsupported element type (supported: "
                                          "float32, bfloat16, float16)");
+    }
+    const int64_t how = read_as.size() == 0 ? kAsStored : read_as[i];
+    if (how != kAsStored) {
+      if (how != kRoundedToBF16 && how != kRoundedToF16) {
+        return ffi::Error::InvalidArgument("clipjax: read_as of leaf " + std::to_string(i) +
+                                           " must be 0 (as stored), 1 (rounded to bfloat16) "
+                                           "or 2 (rounded to float16), got " +
+                                           std::to_string(how));
+      }
+      if (d.dtype != kF32 || scale_leaves) {
+        return ffi::Error::InvalidArgument(
+            "clipjax: leaf " + std::to_string(i) + " is read rounded, which takes a float32 "
+            "operand that the call does not scale");
+      }
+      d.dtype = how == kRoundedToBF16 ? kF32AsBF16 : kF32AsF16;
     }
     d.in = leaf->untyped_data();
     d.num_elements = static_cast<int64_t>(leaf->element_count());
@@ -64,15 +89,15 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
   return ffi::Error::Success();
 }
 
-// `clipjax_andrea_clip`. Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}.
-// Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
+// `clipjax_andrea_clip`. Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}, each
+// read as `read_as` says (DecodeLeaves). Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
 // only computes the norm), norms f32[n + 1] (global norm, then one per leaf),
 // flags s32[2] (clipped, nonfinite), multipliers f32[n, 4] (a Multipliers per leaf),
 // workspace u8[>= MakeClipWorkspace(...).total_bytes].
 inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
                              const ffi::RemainingRets& rets, int64_t mode,
-                             int64_t on_nonfinite, std::vector<LeafDesc>* leaves,
-                             ClipCall* call) {
+                             int64_t on_nonfinite, ffi::Span<const int64_t> read_as,
+                             std::vector<LeafDesc>* leaves, ClipCall* call) {
   if (mode != kModeGlobal && mode != kModePerTensor) {
     return ffi::Error::InvalidArgument("clipjax: mode must be 0 (global) or 1 (per_tensor), got " +
                                        std::to_string(mode));
@@ -97,7 +122,7 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   call->max_norm = static_cast<const float*>(max_norm.untyped_data());
 
   int64_t chunk = 0;
-  ffi::Error status = DecodeLeaves(args, rets, call->scale_leaves, leaves, &chunk);
+  ffi::Error status = DecodeLeaves(args, rets, call->scale_leaves, read_as, leaves, &chunk);
   if (status.failure()) return status;
   call->leaves = leaves->data();
   call->num_leaves = n;
@@ -164,7 +189,7 @@ inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyB
                                        std::to_string(rets.size()));
   }
   int64_t chunk = 0;
-  ffi::Error status = DecodeLeaves(args, rets, true, leaves, &chunk);
+  ffi::Error status = DecodeLeaves(args, rets, true, {}, leaves, &chunk);
   if (status.failure()) return status;
   auto workspace = rets.get<ffi::AnyBuffer>(n);
   if (!workspace.has_value()) return workspace.error();

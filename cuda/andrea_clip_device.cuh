@@ -81,6 +81,14 @@ __device__ __forceinline__ void AddSquare(float x, double& acc) {
   acc = fma(d, d, acc);
 }
 
+// A float32 value rounded to bfloat16 (kF32AsBF16) or float16 (kF32AsF16), to nearest
+// even as XLA's convert rounds it, and widened back: the value the narrowed leaf holds.
+template <int kDtype>
+__device__ __forceinline__ float Rounded(float x) {
+  if (kDtype == kF32AsBF16) return __bfloat162float(__float2bfloat16_rn(x));
+  return __half2float(__float2half_rn(x));
+}
+
 // Squares of one 16-byte vector of leaf elements.
 template <int kDtype>
 __device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b) {
@@ -89,6 +97,8 @@ __device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b)
   for (int k = 0; k < 4; ++k) {
     if (kDtype == kF32) {
       AddSquare(__uint_as_float(w[k]), (k & 1) ? b : a);
+    } else if (kDtype == kF32AsBF16 || kDtype == kF32AsF16) {
+      AddSquare(Rounded<kDtype>(__uint_as_float(w[k])), (k & 1) ? b : a);
     } else if (kDtype == kBF16) {
       AddSquare(__uint_as_float(w[k] << 16), a);
       AddSquare(__uint_as_float(w[k] & 0xffff0000u), b);
@@ -103,6 +113,9 @@ __device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b)
 template <int kDtype>
 __device__ __forceinline__ float LoadScalar(const void* p, int64_t i) {
   if (kDtype == kF32) return static_cast<const float*>(p)[i];
+  if (kDtype == kF32AsBF16 || kDtype == kF32AsF16) {
+    return Rounded<kDtype>(static_cast<const float*>(p)[i]);
+  }
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (kDtype == kBF16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
   return __half2float(__ushort_as_half(h));
@@ -118,8 +131,6 @@ __device__ __forceinline__ void StoreScalar(void* p, int64_t i, float v) {
     static_cast<__half*>(p)[i] = __float2half_rn(v);
   }
 }
-
-constexpr int ElemBytes(int dtype) { return dtype == kF32 ? 4 : 2; }
 
 // Sum of squares of `count` elements at `p` (this block's chunk).
 template <int kDtype>

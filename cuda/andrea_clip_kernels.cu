@@ -42,7 +42,9 @@ __global__ void __launch_bounds__(kThreads)
   double acc;
   if (e.dtype == kF32) acc = ChunkSumSquares<kF32>(base, count);
   else if (e.dtype == kBF16) acc = ChunkSumSquares<kBF16>(base, count);
-  else acc = ChunkSumSquares<kF16>(base, count);
+  else if (e.dtype == kF16) acc = ChunkSumSquares<kF16>(base, count);
+  else if (e.dtype == kF32AsBF16) acc = ChunkSumSquares<kF32AsBF16>(base, count);
+  else acc = ChunkSumSquares<kF32AsF16>(base, count);
   acc = BlockSum(acc, shared);
   if (threadIdx.x == 0) {
     partials[chunk] = acc;

@@ -16,8 +16,14 @@
 
 namespace clipjax {
 
-// Leaf element types understood by the custom calls.
-enum LeafDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// Leaf element types understood by the custom calls. The last two are float32
+// operands that the norm kernels read rounded to bfloat16 or float16 first, as the
+// leaf the jit narrowed from them holds its values (the clip call's `read_as`); they
+// are never scaled.
+enum LeafDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF32AsBF16 = 3, kF32AsF16 = 4 };
+
+// Bytes an element of a LeafDtype takes in memory.
+CLIPJAX_HD constexpr int ElemBytes(int32_t dtype) { return dtype == kBF16 || dtype == kF16 ? 2 : 4; }
 
 // Values of the `mode` and `on_nonfinite` attributes.
 enum ClipMode : int64_t { kModeGlobal = 0, kModePerTensor = 1 };

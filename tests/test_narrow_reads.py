@@ -1,8 +1,12 @@
-"""The custom call's norms read a float32 leaf that the same jit widened from bfloat16 or
-float16 in its narrow form (`_ffi.widened_from`): the gradients of a model with bfloat16
-compute and float32 parameters, which XLA would otherwise write out in float32 for the
-call. The norms, the clipped leaves and the derivative are those of the float32 leaves.
-It runs on the default backend: the CPU handler here, the CUDA kernels on a GPU."""
+"""The custom call's norms read a leaf that the same jit converted in a cheaper source
+(`_ffi.norm_sources`), which XLA would otherwise write out for the call:
+- a float32 leaf widened from bfloat16 or float16 in its narrow form (the gradients of a
+  model with bfloat16 compute and float32 parameters);
+- a bfloat16 or float16 leaf narrowed from a float32 array in memory (a reduction's
+  result: LayerNorm and bias gradients summed in float32) as that array, each value
+  rounded in the kernel as the conversion rounds it.
+The norms, the clipped leaves and the derivative are those of the leaves. It runs on the
+default backend: the CPU handler here, the CUDA kernels on a GPU."""
 
 import re
 
@@ -45,11 +49,20 @@ def _clip(xs, **kwargs):
   return clipjax.clip_tree(_widened(xs), 1.0, **kwargs)
 
 
+def _calls(text):
+  return [line for line in text.splitlines() if "@clipjax_andrea_clip(" in line]
+
+
 def _call_operand_types(text):
   """Each clip custom call's leaf operand types, as `tensor<...>` strings."""
-  calls = [line for line in text.splitlines() if "@clipjax_andrea_clip(" in line]
   return [re.findall(r"tensor<[^>]*>", c.rsplit(" : (", 1)[1].split(") ->")[0])[1:]
-          for c in calls]
+          for c in _calls(text)]
+
+
+def _read_as(text):
+  """Each clip custom call's `read_as` attribute, as a list of ints."""
+  return [[int(v) for v in re.search(r"read_as = (?:dense<\[?|array<i64: )([-0-9, ]*)", c)
+           .group(1).split(",")] for c in _calls(text)]
 
 
 def test_the_norms_read_the_narrow_arrays_and_the_kernel_scale_the_float32_leaves():
@@ -135,3 +148,112 @@ def test_auto_lowered_for_cuda_reads_the_narrow_arrays(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   (types,) = _call_operand_types(text)
   assert sorted(types) == ["tensor<16xbf16>", "tensor<32x16xbf16>"]
+
+
+# Values that bfloat16 and float16 round: the narrowed leaves differ from their sources.
+def _sources(a):
+  """The float32 arrays the leaves of `_narrowed` are converted from: reductions, the
+  argument, and an elementwise product (not in memory: the call reads that leaf)."""
+  return [jnp.sum(a, axis=0), jnp.sum(a * 9.7, axis=0), jnp.max(a, axis=0), a, a[3:6] * 1.1]
+
+
+# Each leaf's conversion, and the narrowest type in it.
+_NARROWING = [(lambda x: x.astype(jnp.bfloat16), jnp.bfloat16),
+              (lambda x: x.reshape(10, 10).astype(jnp.float16), jnp.float16),
+              (lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), jnp.bfloat16),
+              (lambda x: x.astype(jnp.float16), jnp.float16),
+              (lambda x: x.astype(jnp.bfloat16), jnp.bfloat16)]
+
+
+def _narrowed(sources):
+  """The tree the clip sees: leaves narrowed from float32 arrays (one through a reshape,
+  one widened back to float32)."""
+  return [narrow(x) for (narrow, _), x in zip(_NARROWING, sources)]
+
+
+def _f32_sums(seed=3, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal((64, 100)) * scale * (1 + 2.0**-12), jnp.float32)
+
+
+def test_the_norms_read_narrowed_leaves_as_their_float32_sources_rounded():
+  a = _f32_sums()
+  text = jax.jit(lambda a: clipjax.clip_tree(_narrowed(_sources(a)), 1.0, impl="ffi",
+                                             scale="fused")
+                 ).lower(a).as_text()
+  assert _call_operand_types(text) == [["tensor<100xf32>", "tensor<10x10xf32>",
+                                        "tensor<100xf32>", "tensor<64x100xf32>",
+                                        "tensor<3x100xbf16>"]]
+  assert _read_as(text) == [[1, 2, 1, 2, 0]]  # bfloat16, float16, bfloat16, float16, as stored
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 3e3])
+def test_rounded_reads_give_the_narrowed_leaves_norms(scale):
+  """Against the same narrow leaves passed to the jit (read as they are): the same norms
+  within float32 rounding (the CUDA kernel sums a float32 source four elements to a load,
+  a narrow leaf eight, so their float64 sums may round apart; on a CPU they are the same
+  bits), and the same clipped leaves within one rounding of their type. At 3e3 some
+  float16 sums overflow to inf, as the conversion makes them, and the clip sees a leaf
+  that is not finite.
+
+  The reference narrows, op by op, the float32 arrays that the jit computed: in one jit,
+  XLA on a GPU may sum in another order than alone (its reductions' rounding may differ),
+  and may drop the float32-bfloat16-float32 round trip of the third leaf where it feeds
+  the multiply (it allows excess precision), whose result then holds the values before
+  the rounding; the norms take the values the program states. For the same reason the
+  updates are compared only where the norm is finite."""
+  a = _f32_sums(4, scale)
+
+  def clipped(a):
+    sources = _sources(a)
+    return clipjax.clip_tree(_narrowed(sources), 1.0, impl="ffi", scale="fused"), sources
+
+  got, sources = jax.jit(clipped)(a)
+  want = jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl="ffi", scale="fused"))(
+      _narrowed(sources))
+  exact = jax.default_backend() == "cpu"
+  for g, w in ((got.leaf_norms, want.leaf_norms), (got.global_norm, want.global_norm)):
+    np.testing.assert_allclose(g, w, rtol=0 if exact else 2.0**-23)
+  assert bool(got.clipped) == bool(want.clipped)
+  assert bool(np.isfinite(got.global_norm)) == (scale < 1e3)
+  if not np.isfinite(want.global_norm):
+    return  # the updates are NaN where XLA kept the overflow, and 0 where it dropped it
+  for g, w, (_, narrowest) in zip(got.updates, want.updates, _NARROWING):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=0 if exact else float(jnp.finfo(narrowest).eps), atol=0)
+
+
+def test_more_leaves_than_one_call_takes_read_rounded():
+  """Above `_ffi.MAX_LEAVES_PER_CALL` leaves every norm call reads its float32 sources
+  (the reference as in `test_rounded_reads_give_the_narrowed_leaves_norms`)."""
+  def norm(a):
+    sums = [jnp.sum(a * (1 + i / 300), axis=0) for i in range(300)]
+    return clipjax.global_norm([x.astype(jnp.bfloat16) for x in sums], impl="ffi"), sums
+
+  a = _f32_sums(5)
+  assert [set(r) for r in _read_as(jax.jit(norm).lower(a).as_text())] == [{1}, {1}]
+  got, sums = jax.jit(norm)(a)
+  want = jax.jit(lambda t: clipjax.global_norm(t, impl="ffi"))(
+      [x.astype(jnp.bfloat16) for x in sums])
+  np.testing.assert_allclose(got, want, rtol=0 if jax.default_backend() == "cpu" else 2.0**-23)
+
+
+def _direct_call(operands, read_as):
+  n = len(operands)
+  out = [jax.ShapeDtypeStruct((n + 1,), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
+         jax.ShapeDtypeStruct((n, 4), jnp.float32), jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)]
+  call = jax.ffi.ffi_call("clipjax_andrea_clip", out)
+  return call(jnp.float32(1.0), *operands, mode=np.int64(0), on_nonfinite=np.int64(0),
+              read_as=np.asarray(read_as, np.int64))
+
+
+@pytest.mark.parametrize("operands, read_as, message", [
+    ([jnp.ones(4, jnp.bfloat16)], [1], "leaf 0 is read rounded, which takes a float32"),
+    ([jnp.ones(4), jnp.ones(3)], [1], "read_as has 1 values for 2 leaves"),
+    ([jnp.ones(4)], [7], "read_as of leaf 0 must be 0 (as stored), 1 (rounded to bfloat16)"),
+])
+def test_the_handler_names_a_bad_read_as(operands, read_as, message):
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU handler's check; the CUDA handler decodes the same way")
+  with pytest.raises(Exception, match=re.escape(message)):
+    jax.block_until_ready(_direct_call(operands, read_as))
