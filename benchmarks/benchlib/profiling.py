@@ -110,12 +110,12 @@ def instruction_shapes(hlo: str) -> dict:
   """{instruction name: the shape it writes, without layouts} of an optimized HLO module
   (a tuple shape shortened to its first two parts): what `kernel_classes` names kernels by."""
   shapes = {}
-  for m in re.finditer(r"^\s+(?:ROOT )?%?([\w.-]+) = (\([^)]*\)|\S+) ", hlo, re.M):
-    shape = re.sub(r"\{[^}]*\}", "", m.group(2))
-    if shape.startswith("("):
-      parts = re.findall(r"\w+\[[\d,]*\]", shape)
-      shape = "(" + ", ".join(parts[:2]) + (", ...)" if len(parts) > 2 else ")")
-    shapes[m.group(1)] = shape
+  for body in _computations(hlo):
+    for name, (shape, _, _, _) in body.items():
+      if shape.startswith("("):
+        parts = re.findall(r"\w+\[[\d,]*\]", shape)
+        shape = "(" + ", ".join(parts[:2]) + (", ...)" if len(parts) > 2 else ")")
+      shapes[name] = shape
   return shapes
 
 
