@@ -94,7 +94,7 @@ def norm_sources(leaves) -> NormInputs | None:
   - narrowed: a bfloat16 or float16 leaf (or the narrow array of a widened one) converted
     from a float32 array that XLA has in memory anyway (a reduction's, a matmul's or a
     scatter's result, or an argument of the jit: in a bfloat16 model, the LayerNorms'
-    and biases' gradients summed in float32). The norms read the float32 array and round
+    gradients, summed in float32). The norms read the float32 array and round
     each value as the conversion does: no kernel of its own for each conversion.
   Reshapes between a leaf and its source are looked through.
   """

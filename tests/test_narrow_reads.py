@@ -3,7 +3,7 @@
 - a float32 leaf widened from bfloat16 or float16 in its narrow form (the gradients of a
   model with bfloat16 compute and float32 parameters);
 - a bfloat16 or float16 leaf narrowed from a float32 array in memory (a reduction's
-  result: LayerNorm and bias gradients summed in float32) as that array, each value
+  result: the LayerNorms' gradients summed in float32) as that array, each value
   rounded in the kernel as the conversion rounds it.
 The norms, the clipped leaves and the derivative are those of the leaves. It runs on the
 default backend: the CPU handler here, the CUDA kernels on a GPU."""
