@@ -53,6 +53,10 @@ class NormInputs(NamedTuple):
   arrays: list
   read_as: tuple
 
+  @staticmethod
+  def as_stored(arrays) -> "NormInputs":
+    return NormInputs(list(arrays), (None,) * len(arrays))
+
   def pick(self, indices) -> "NormInputs":
     return NormInputs([self.arrays[i] for i in indices], tuple(self.read_as[i] for i in indices))
 

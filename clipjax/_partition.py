@@ -142,8 +142,8 @@ def _partition(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, resu
       return _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
-    norm_inputs = _ffi.NormInputs([x if m is None else m for x, m in zip(shards, masked)],
-                                  (None,) * len(shards))
+    norm_inputs = _ffi.NormInputs.as_stored(
+        [x if m is None else m for x, m in zip(shards, masked)])
     return flat_outputs(*_shards.clip_shards(
         max_norm, list(shards), leaf_axes, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
         scale_by=scale_by, norm_inputs=norm_inputs, by_rows=True))

@@ -120,7 +120,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     all but the shards are the same on every device.
   """
   if norm_inputs is None:
-    norm_inputs = _ffi.NormInputs(shards, (None,) * len(shards))
+    norm_inputs = _ffi.NormInputs.as_stored(shards)
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
