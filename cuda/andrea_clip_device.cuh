@@ -81,13 +81,18 @@ __device__ __forceinline__ void AddSquare(float x, double& acc) {
   acc = fma(d, d, acc);
 }
 
-// A float32 value rounded to bfloat16 (kF32AsBF16) or float16 (kF32AsF16), to nearest
-// even as XLA's convert rounds it, and widened back: the value the narrowed leaf holds.
+// The value a float32 element of a leaf of type kDtype stands for: itself (kF32), or
+// rounded to bfloat16 (kF32AsBF16) or float16 (kF32AsF16), to nearest even as XLA's
+// convert rounds it, and widened back: the value the narrowed leaf holds.
 template <int kDtype>
 __device__ __forceinline__ float Rounded(float x) {
   if (kDtype == kF32AsBF16) return __bfloat162float(__float2bfloat16_rn(x));
-  return __half2float(__float2half_rn(x));
+  if (kDtype == kF32AsF16) return __half2float(__float2half_rn(x));
+  return x;
 }
+
+// Whether a leaf type stores float32 elements.
+constexpr bool StoresF32(int kDtype) { return ElemBytes(kDtype) == 4; }
 
 // Squares of one 16-byte vector of leaf elements.
 template <int kDtype>
@@ -95,9 +100,7 @@ __device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b)
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    if (kDtype == kF32) {
-      AddSquare(__uint_as_float(w[k]), (k & 1) ? b : a);
-    } else if (kDtype == kF32AsBF16 || kDtype == kF32AsF16) {
+    if (StoresF32(kDtype)) {
       AddSquare(Rounded<kDtype>(__uint_as_float(w[k])), (k & 1) ? b : a);
     } else if (kDtype == kBF16) {
       AddSquare(__uint_as_float(w[k] << 16), a);
@@ -112,10 +115,7 @@ __device__ __forceinline__ void AddSquares(const uint4& r, double& a, double& b)
 
 template <int kDtype>
 __device__ __forceinline__ float LoadScalar(const void* p, int64_t i) {
-  if (kDtype == kF32) return static_cast<const float*>(p)[i];
-  if (kDtype == kF32AsBF16 || kDtype == kF32AsF16) {
-    return Rounded<kDtype>(static_cast<const float*>(p)[i]);
-  }
+  if (StoresF32(kDtype)) return Rounded<kDtype>(static_cast<const float*>(p)[i]);
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
   if (kDtype == kBF16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
   return __half2float(__ushort_as_half(h));

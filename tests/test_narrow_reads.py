@@ -192,9 +192,9 @@ def test_rounded_reads_give_the_narrowed_leaves_norms(scale):
   """Against the same narrow leaves passed to the jit (read as they are): the same norms
   within float32 rounding (the CUDA kernel sums a float32 source four elements to a load,
   a narrow leaf eight, so their float64 sums may round apart; on a CPU they are the same
-  bits), and the same clipped leaves within one rounding of their type. At 3e3 some
-  float16 sums overflow to inf, as the conversion makes them, and the clip sees a leaf
-  that is not finite.
+  bits), and the same clipped leaves within one rounding of their type (one step where
+  the update is subnormal in it). At 3e3 some float16 sums overflow to inf, as the
+  conversion makes them, and the clip sees a leaf that is not finite.
 
   The reference narrows, op by op, the float32 arrays that the jit computed: in one jit,
   XLA on a GPU may sum in another order than alone (its reductions' rounding may differ),
@@ -219,8 +219,12 @@ def test_rounded_reads_give_the_narrowed_leaves_norms(scale):
   if not np.isfinite(want.global_norm):
     return  # the updates are NaN where XLA kept the overflow, and 0 where it dropped it
   for g, w, (_, narrowest) in zip(got.updates, want.updates, _NARROWING):
+    # One rounding of the narrowest type: relative where the update is normal in it, one
+    # subnormal step below that (float16's are 2**-24 apart).
+    info = jnp.finfo(narrowest)
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                               rtol=0 if exact else float(jnp.finfo(narrowest).eps), atol=0)
+                               rtol=0 if exact else float(info.eps),
+                               atol=0 if exact else float(info.smallest_subnormal))
 
 
 def test_more_leaves_than_one_call_takes_read_rounded():
