@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clipjax import _ffi, _jax_impl, _jax_norms, _native, _options, _partition
+from clipjax import _ffi, _jax_impl, _jax_norms, _native, _options, _partition, _sources
 
 
 def default_platform() -> str:
@@ -95,14 +95,14 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   leaf by leaf, which XLA's partitioner splits like any reduction.
 
   On a single device the custom call's norms read a leaf that this jit converted to or
-  from float32 in its cheaper source (`_ffi.norm_sources`). Those arrays travel beside the
+  from float32 in its cheaper source (`_sources.norm_sources`). Those arrays travel beside the
   leaves, and the derivative takes no account of them: they hold the leaves' values.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   tangent = pure_jax_tangent(**kwargs)
   custom_call = _has_custom_call(impl, leaves)
   # `_partition.partitioned_clip` hands them to the norms where nothing is partitioned.
-  reads = (custom_call and scale_by != "kernel" and _ffi.norm_sources(leaves)) or None
+  reads = (custom_call and scale_by != "kernel" and _sources.norm_sources(leaves)) or None
   n = len(leaves)
   return differentiable(
       lambda max_norm, xs: _run(max_norm, xs[:n], impl=impl, custom_call=custom_call,
@@ -156,7 +156,7 @@ def no_tangent(why: str):
 
 def _run(max_norm, leaves, *, impl, custom_call, mode, on_nonfinite, scale_by, norm_inputs):
   """`run`'s clip, with `custom_call` (`_has_custom_call`) and what the custom call's norms
-  read in place of the leaves (`_ffi.NormInputs`, or None)."""
+  read in place of the leaves (`_sources.NormInputs`, or None)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if impl == "ffi":
     return _partition.partitioned_clip(max_norm, leaves, impl="ffi", norm_inputs=norm_inputs,

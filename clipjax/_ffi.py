@@ -11,7 +11,6 @@ Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.extend
@@ -20,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import batching, mlir
 
-from clipjax import _jax_impl, _native, _options
+from clipjax import _jax_impl, _native, _options, _sources
 
 TARGET = "clipjax_andrea_clip"
 SCALE_TARGET = "clipjax_andrea_scale"
@@ -36,94 +35,13 @@ def num_chunks(sizes) -> int:
   return sum(max(1, -(-int(n) // chunk)) for n in sizes)
 
 
-_NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # How the norm kernels read an operand, the clip call's `read_as` (ReadAs in
 # cuda/andrea_clip_decode.h): as stored (None), or float32 values rounded to a narrow type.
 READ_AS = {None: 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
-# Equations whose float32 result XLA writes to memory whatever reads it (a reduction, a
-# matmul, a scatter): reading it costs the norms no array of its own.
-_IN_MEMORY = frozenset({"reduce_sum", "reduce_max", "reduce_min", "dot_general", "scatter-add",
-                        "scatter_add", "scatter"})
-
-
-class NormInputs(NamedTuple):
-  """What the norm kernels read in place of the leaves (`norm_sources`): per leaf, an
-  array of its shape, and None (read as stored) or the narrow type that the array's
-  float32 values are rounded to before they are squared."""
-  arrays: list
-  read_as: tuple
-
-  @staticmethod
-  def as_stored(arrays) -> "NormInputs":
-    return NormInputs(list(arrays), (None,) * len(arrays))
-
-  def pick(self, indices) -> "NormInputs":
-    return NormInputs([self.arrays[i] for i in indices], tuple(self.read_as[i] for i in indices))
-
-
-def _made_by(x, primitive: str):
-  """The one operand of the equation that made `x` in JAX's trace, where that equation is
-  `primitive` and the operand is of x's own trace; else None."""
-  eqn = getattr(x, "parent", None)
-  if getattr(getattr(eqn, "primitive", None), "name", None) != primitive:
-    return None
-  operands = getattr(eqn, "in_tracers", ())
-  if len(operands) != 1 or getattr(operands[0], "_trace", None) is not getattr(x, "_trace", False):
-    return None
-  return operands[0]
-
-
-def _unreshaped(x):
-  while (y := _made_by(x, "reshape")) is not None:
-    x = y
-  return x
-
-
-def _converted_from(x):
-  """The array that `x` (after any reshapes) was converted from in the same trace, or None."""
-  return _made_by(_unreshaped(x), "convert_element_type")
-
-
-def norm_sources(leaves) -> NormInputs | None:
-  """What the norm kernels may read in place of `leaves`, or None where they read the
-  leaves. Only a leaf traced in the same jit as its conversion is known to be one (JAX's
-  trace records the equation that made it): under `vmap` or `grad` the call reads the leaf.
-
-  A custom call reads its operands from memory, so XLA writes out for it an array that the
-  optimizer's update alone would have computed as it read it. Two such arrays have a
-  cheaper source, with the same values:
-  - widened: a float32 leaf converted from a bfloat16 or float16 array (the gradients of
-    float32 parameters in a model with bfloat16 compute). The norms read the narrow
-    array, 2 bytes an element; the widening is exact.
-  - narrowed: a bfloat16 or float16 leaf (or the narrow array of a widened one) converted
-    from a float32 array that XLA has in memory anyway (a reduction's, a matmul's or a
-    scatter's result, or an argument of the jit: in a bfloat16 model, the LayerNorms'
-    gradients, summed in float32). The norms read the float32 array and round
-    each value as the conversion does: no kernel of its own for each conversion.
-  Reshapes between a leaf and its source are looked through.
-  """
-  arrays, read_as = [], []
-  for x in leaves:
-    source, rounded_to = x, None
-    narrow = _converted_from(x)
-    if (jnp.dtype(x.dtype) == jnp.float32 and narrow is not None
-        and jnp.dtype(narrow.dtype) in _NARROW_FLOATS):
-      source = narrow
-    wide = _converted_from(source)
-    if (jnp.dtype(source.dtype) in _NARROW_FLOATS and wide is not None
-        and jnp.dtype(wide.dtype) == jnp.float32):
-      producer = getattr(_unreshaped(wide), "parent", None)
-      if producer is None or producer.primitive.name in _IN_MEMORY:
-        source, rounded_to = wide, jnp.dtype(source.dtype)
-    arrays.append(source if source is x else source.reshape(x.shape))
-    read_as.append(rounded_to)
-  if all(a is x for a, x in zip(arrays, leaves)):
-    return None
-  return NormInputs(arrays, tuple(read_as))
 
 
 def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
-              norm_inputs: NormInputs | None = None):
+              norm_inputs: _sources.NormInputs | None = None):
   """The clip of `leaves` in one custom call.
 
   `scale_by` says who multiplies the leaves by the clip's factor:
@@ -134,18 +52,16 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
     whatever consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
-  `norm_inputs` (see `norm_sources`): what the norm kernels read where it is not `leaves`
-  (the same values); "kernel" writes the leaves and reads them.
+  `norm_inputs` (see `_sources.norm_sources`): what the norm kernels read where it is not
+  `leaves` (the same values); "kernel" writes the leaves and reads them.
 
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
   one per leaf); `flags` is int32[2] (clipped, nonfinite).
   """
   n = len(leaves)
-  sizes = [int(np.prod(x.shape)) for x in leaves]
   in_place = scale_by == "kernel"
-  reads = None if in_place else norm_inputs
-  operands = leaves if reads is None else reads.arrays
-  read_as = [READ_AS[r] for r in reads.read_as] if reads else [READ_AS[None]] * n
+  reads = _sources.NormInputs.as_stored(leaves) if in_place or norm_inputs is None else norm_inputs
+  sizes = reads.leaf_sizes()
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if in_place else []
   out_types += [
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),
@@ -156,10 +72,11 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
   aliases = {i + 1: i for i in range(n)} if in_place else {}
   call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases=aliases,
                           vmap_method="sequential")
-  outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *operands,
+  outs = call(jnp.asarray(max_norm, jnp.float32).reshape(()), *reads.arrays,
               mode=np.int64(_options.MODES.index(mode)),
               on_nonfinite=np.int64(_options.NONFINITE_POLICIES.index(on_nonfinite)),
-              read_as=np.asarray(read_as, np.int64))
+              read_as=np.asarray([READ_AS[r] for r in reads.read_as], np.int64),
+              columns=np.asarray([c or (0, 0) for c in reads.columns], np.int64).reshape(2 * n))
   if in_place:
     return list(outs[:n]), outs[n], outs[n + 1]
   norms, flags, multipliers, _ = outs

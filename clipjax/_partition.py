@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _jax_impl, _shards
+from clipjax import _ffi, _jax_impl, _shards, _sources
 
 
 def flat_outputs(out, norms, flags) -> tuple:
@@ -64,7 +64,7 @@ def _whole_clip(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_in
   """The clip of whole leaves. impl="ffi": one custom call, or for a tree of more than
   `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
   with the decision between them (`_shards.clip_shards` with no mesh axes), the norms of
-  `norm_inputs` where given (`_ffi.norm_sources`). impl="jax": the pure-JAX clip by rows
+  `norm_inputs` where given (`_sources.norm_sources`). impl="jax": the pure-JAX clip by rows
   (`pure_jax_clip`), which is partitioned here only where it finishes its sums by rows
   (see `_dispatch.run`)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
@@ -142,7 +142,7 @@ def _partition(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, resu
       return _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
-    norm_inputs = _ffi.NormInputs.as_stored(
+    norm_inputs = _sources.NormInputs.as_stored(
         [x if m is None else m for x, m in zip(shards, masked)])
     return flat_outputs(*_shards.clip_shards(
         max_norm, list(shards), leaf_axes, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
@@ -238,7 +238,7 @@ def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: st
   `custom_vmap`, whose per-leaf work costs time and memory on many leaves (at 20,000
   leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
   then batch under `jax.vmap` by themselves, one call per batch element. Only there do
-  the norms read `norm_inputs` (`_ffi.norm_sources`) where given."""
+  the norms read `norm_inputs` (`_sources.norm_sources`) where given."""
   if _nothing_to_partition():
     outs = _whole_clip(max_norm, list(leaves), impl=impl, mode=mode,
                        on_nonfinite=on_nonfinite, scale_by=scale_by, norm_inputs=norm_inputs)

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _jax_impl, _jax_norms
+from clipjax import _ffi, _jax_impl, _jax_norms, _sources
 
 
 def spec_axes(spec, where: str) -> tuple:
@@ -109,7 +109,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     impl: "ffi" (custom calls) or "jax".
     scale_by: "kernel" (one scale call, `k_grad_scale`, for impl="ffi"), "fused" (XLA
       elementwise ops) or None (the norms only); see `_ffi.clip_call`.
-    norm_inputs: what the norms are taken of (`_ffi.NormInputs`), where it differs from
+    norm_inputs: what the norms are taken of (`_sources.NormInputs`), where it differs from
       `shards` (a shard with padding, masked to zero; a leaf's cheaper source, for
       impl="ffi"); the scale always applies to `shards`.
     by_rows: for impl="jax", how each device finishes its sums, as
@@ -120,7 +120,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     all but the shards are the same on every device.
   """
   if norm_inputs is None:
-    norm_inputs = _ffi.NormInputs.as_stored(shards)
+    norm_inputs = _sources.NormInputs.as_stored(shards)
   by_axes: dict[frozenset, list[int]] = {}
   for i, axes in enumerate(leaf_axes):
     by_axes.setdefault(frozenset(axes), []).append(i)
@@ -166,8 +166,8 @@ def _split_calls(x, num_leaves, step):
 
 
 def _norms(impl, max_norm, reads, mode, by_rows):
-  """(None, norms, flags) by `impl` of what `reads` (`_ffi.NormInputs`) gives: the norms
-  alone. Only the custom call reads a source rounded (`_ffi.norm_sources`)."""
+  """(None, norms, flags) by `impl` of what `reads` (`_sources.NormInputs`) gives: the norms
+  alone. Only the custom call reads a source rounded (`_sources.norm_sources`)."""
   if impl == "ffi":
     return _ffi.clip_call(max_norm, reads.arrays, mode=mode, on_nonfinite="propagate",
                           scale_by=None, norm_inputs=reads)

@@ -10,13 +10,17 @@
 
 namespace clipjax {
 
-// One leaf of a call.
+// One leaf of a call. Its elements are contiguous at `in`, or (a leaf the norms read
+// as a block of columns of a wider matrix) rows of `width` elements whose starts are
+// `row_stride` elements apart; element k is then at (k / width) * row_stride + k % width.
 struct LeafDesc {
   const void* in;
   void* out;  // nullptr when the call only computes the norm
   int64_t num_elements;
   int64_t chunk_begin;  // index of the leaf's first chunk among all chunks
   int32_t dtype;        // a LeafDtype
+  int32_t width;        // 0: contiguous
+  int32_t row_stride;
 };
 
 // `clipjax_andrea_clip`: norms, decision and (unless `scale_leaves` is false) the scale.

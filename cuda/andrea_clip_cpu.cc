@@ -99,22 +99,32 @@ struct F32AsF16Leaf {
   static float Load(float v) { return F16ToFloat(FloatToF16(v)); }
 };
 
-// Sum of squares in float64 with eight independent accumulators added in a
-// fixed order at the end: deterministic, and not bound by one add's latency.
+// Sum of squares of a leaf's elements [begin, end) in float64, with eight independent
+// accumulators added in a fixed order at the end: deterministic, and not bound by one
+// add's latency. A leaf read as a block of columns is summed a row's run at a time.
 template <typename Leaf>
-double SumSquares(const void* base, int64_t begin, int64_t end) {
-  const auto* x = static_cast<const typename Leaf::Storage*>(base);
+double SumSquares(const LeafDesc& leaf, int64_t begin, int64_t end) {
+  const auto* x = static_cast<const typename Leaf::Storage*>(leaf.in);
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t k = begin;
-  for (; k + 8 <= end; k += 8) {
-    for (int j = 0; j < 8; ++j) {
-      const double v = Leaf::Load(x[k + j]);
-      acc[j] += v * v;
+  for (int64_t k = begin; k < end;) {
+    int64_t at = k, run = end - k;  // the run of elements from k adjacent in memory
+    if (leaf.width != 0) {
+      const int64_t col = k % leaf.width;
+      at = k / leaf.width * leaf.row_stride + col;
+      run = std::min(run, leaf.width - col);
     }
-  }
-  for (; k < end; ++k) {
-    const double v = Leaf::Load(x[k]);
-    acc[0] += v * v;
+    int64_t j = 0;
+    for (; j + 8 <= run; j += 8) {
+      for (int u = 0; u < 8; ++u) {
+        const double v = Leaf::Load(x[at + j + u]);
+        acc[u] += v * v;
+      }
+    }
+    for (; j < run; ++j) {
+      const double v = Leaf::Load(x[at + j]);
+      acc[0] += v * v;
+    }
+    k += run;
   }
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
@@ -159,11 +169,11 @@ void Scale(const LeafDesc* leaves, int64_t num_leaves, const LeafScale* leaf_sca
 
 double ChunkSumSquares(const LeafDesc& leaf, int64_t begin, int64_t end) {
   switch (leaf.dtype) {
-    case kF32: return SumSquares<F32Leaf>(leaf.in, begin, end);
-    case kBF16: return SumSquares<BF16Leaf>(leaf.in, begin, end);
-    case kF16: return SumSquares<F16Leaf>(leaf.in, begin, end);
-    case kF32AsBF16: return SumSquares<F32AsBF16Leaf>(leaf.in, begin, end);
-    default: return SumSquares<F32AsF16Leaf>(leaf.in, begin, end);
+    case kF32: return SumSquares<F32Leaf>(leaf, begin, end);
+    case kBF16: return SumSquares<BF16Leaf>(leaf, begin, end);
+    case kF16: return SumSquares<F16Leaf>(leaf, begin, end);
+    case kF32AsBF16: return SumSquares<F32AsBF16Leaf>(leaf, begin, end);
+    default: return SumSquares<F32AsF16Leaf>(leaf, begin, end);
   }
 }
 
@@ -214,11 +224,13 @@ void NormFinal(const ClipCall& call, const double* partials, const int64_t* leaf
 
 ffi::Error AndreaClipCpuImpl(ffi::AnyBuffer max_norm, ffi::RemainingArgs args,
                              ffi::RemainingRets rets, int64_t mode, int64_t on_nonfinite,
-                             ffi::Span<const int64_t> read_as) {
+                             ffi::Span<const int64_t> read_as,
+                             ffi::Span<const int64_t> columns) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
   ffi::Error status =
-      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, &leaves, &call);
+      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, columns, &leaves,
+                     &call);
   if (status.failure()) return status;
   auto* partials = reinterpret_cast<double*>(call.workspace + call.layout.partials);
   auto* leaf_range = reinterpret_cast<int64_t*>(call.workspace + call.layout.leaf_range);
@@ -260,7 +272,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCpu, clipjax::AndreaClipCpuImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("on_nonfinite")
-                                  .Attr<xla::ffi::Span<const int64_t>>("read_as"));
+                                  .Attr<xla::ffi::Span<const int64_t>>("read_as")
+                                  .Attr<xla::ffi::Span<const int64_t>>("columns"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCpu, clipjax::AndreaScaleCpuImpl,
                               xla::ffi::Ffi::Bind()

@@ -23,11 +23,13 @@ ffi::Error LaunchResult(cudaError_t err) {
 
 ffi::Error AndreaClipCudaImpl(cudaStream_t stream, ffi::AnyBuffer max_norm,
                               ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t mode,
-                              int64_t on_nonfinite, ffi::Span<const int64_t> read_as) {
+                              int64_t on_nonfinite, ffi::Span<const int64_t> read_as,
+                              ffi::Span<const int64_t> columns) {
   thread_local std::vector<LeafDesc> leaves;
   ClipCall call;
   ffi::Error status =
-      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, &leaves, &call);
+      DecodeClipCall(max_norm, args, rets, mode, on_nonfinite, read_as, columns, &leaves,
+                     &call);
   if (status.failure()) return status;
   return LaunchResult(LaunchAndreaClip(call, stream));
 }
@@ -53,7 +55,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaClipCuda, clipjax::AndreaClipCudaImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("on_nonfinite")
-                                  .Attr<xla::ffi::Span<const int64_t>>("read_as"),
+                                  .Attr<xla::ffi::Span<const int64_t>>("read_as")
+                                  .Attr<xla::ffi::Span<const int64_t>>("columns"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AndreaScaleCuda, clipjax::AndreaScaleCudaImpl,

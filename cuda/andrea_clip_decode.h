@@ -28,17 +28,63 @@ inline bool ToLeafDtype(ffi::DataType t, int32_t* out) {
 // read it (clipjax/_ffi.py, READ_AS).
 enum ReadAs : int64_t { kAsStored = 0, kRoundedToBF16 = 1, kRoundedToF16 = 2 };
 
+// Leaf i's elements within its operand, as the clip call's `columns` attribute gives them
+// (two values per operand: first column, width): the whole operand where the width is 0,
+// else that block of columns of a two-dimensional operand (row-major, as the call
+// constrains it), which the norms read in place. Columns never apply to a leaf the call
+// scales.
+inline ffi::Error DecodeColumns(int64_t i, const ffi::AnyBuffer& operand, int64_t first,
+                                int64_t width, bool scale_leaves, LeafDesc* d) {
+  d->num_elements = static_cast<int64_t>(operand.element_count());
+  d->width = 0;
+  d->row_stride = 0;
+  if (width == 0 && first == 0) return ffi::Error::Success();
+  const std::string leaf = "clipjax: columns of leaf " + std::to_string(i);
+  const auto dims = operand.dimensions();
+  if (scale_leaves) {
+    return ffi::Error::InvalidArgument(leaf + " are given, but the call scales its leaves in place");
+  }
+  if (dims.size() != 2) {
+    return ffi::Error::InvalidArgument(leaf + " need a two-dimensional operand; it has " +
+                                       std::to_string(dims.size()) + " dimensions");
+  }
+  const int64_t cols = dims[1];
+  if (width <= 0 || first < 0 || first > cols - width) {
+    return ffi::Error::InvalidArgument(leaf + " (first " + std::to_string(first) + ", width " +
+                                       std::to_string(width) + ") are not within its operand's " +
+                                       std::to_string(cols) + " columns");
+  }
+  if (cols > INT32_MAX) {
+    return ffi::Error::InvalidArgument(leaf + " are read from an operand of " +
+                                       std::to_string(cols) + " columns, more than 2^31 - 1");
+  }
+  d->in = static_cast<const char*>(d->in) + first * ElemBytes(d->dtype);
+  d->num_elements = dims[0] * width;
+  if (width < cols && dims[0] > 1) {
+    d->width = static_cast<int32_t>(width);
+    d->row_stride = static_cast<int32_t>(cols);
+  }
+  return ffi::Error::Success();
+}
+
 // The leaves (the remaining operands) and, when `scale_leaves`, their results
 // (results 0 ... n - 1), with each leaf's chunk offset. `read_as` is empty (every
 // operand as stored) or holds one ReadAs per operand: a float32 operand read rounded
-// to bfloat16 or float16 becomes a kF32AsBF16 or kF32AsF16 leaf.
+// to bfloat16 or float16 becomes a kF32AsBF16 or kF32AsF16 leaf. `columns` is empty
+// (every operand whole) or holds two values per operand (DecodeColumns).
 inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                                bool scale_leaves, ffi::Span<const int64_t> read_as,
+                               ffi::Span<const int64_t> columns,
                                std::vector<LeafDesc>* leaves, int64_t* num_chunks) {
   const int64_t n = static_cast<int64_t>(args.size());
   if (read_as.size() != 0 && static_cast<int64_t>(read_as.size()) != n) {
     return ffi::Error::InvalidArgument("clipjax: read_as has " + std::to_string(read_as.size()) +
                                        " values for " + std::to_string(n) + " leaves");
+  }
+  if (columns.size() != 0 && static_cast<int64_t>(columns.size()) != 2 * n) {
+    return ffi::Error::InvalidArgument("clipjax: columns has " + std::to_string(columns.size()) +
+                                       " values for " + std::to_string(n) +
+                                       " leaves (two per leaf: first column, width)");
   }
   leaves->clear();
   leaves->reserve(n);
@@ -68,9 +114,11 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
       d.dtype = how == kRoundedToBF16 ? kF32AsBF16 : kF32AsF16;
     }
     d.in = leaf->untyped_data();
-    d.num_elements = static_cast<int64_t>(leaf->element_count());
     d.chunk_begin = chunk;
     d.out = nullptr;
+    ffi::Error status = DecodeColumns(i, *leaf, columns.size() ? columns[2 * i] : 0,
+                                      columns.size() ? columns[2 * i + 1] : 0, scale_leaves, &d);
+    if (status.failure()) return status;
     if (scale_leaves) {
       auto out = rets.get<ffi::AnyBuffer>(i);
       if (!out.has_value()) return out.error();
@@ -90,13 +138,14 @@ inline ffi::Error DecodeLeaves(const ffi::RemainingArgs& args, const ffi::Remain
 }
 
 // `clipjax_andrea_clip`. Operands: max_norm (f32 scalar), leaf_0 ... leaf_{n-1}, each
-// read as `read_as` says (DecodeLeaves). Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
+// read as `read_as` and `columns` say (DecodeLeaves). Results: [leaf_0 ... leaf_{n-1}] (aliased to the operands; absent when the call
 // only computes the norm), norms f32[n + 1] (global norm, then one per leaf),
 // flags s32[2] (clipped, nonfinite), multipliers f32[n, 4] (a Multipliers per leaf),
 // workspace u8[>= MakeClipWorkspace(...).total_bytes].
 inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::RemainingArgs& args,
                              const ffi::RemainingRets& rets, int64_t mode,
                              int64_t on_nonfinite, ffi::Span<const int64_t> read_as,
+                             ffi::Span<const int64_t> columns,
                              std::vector<LeafDesc>* leaves, ClipCall* call) {
   if (mode != kModeGlobal && mode != kModePerTensor) {
     return ffi::Error::InvalidArgument("clipjax: mode must be 0 (global) or 1 (per_tensor), got " +
@@ -122,7 +171,7 @@ inline ffi::Error DecodeClipCall(const ffi::AnyBuffer& max_norm, const ffi::Rema
   call->max_norm = static_cast<const float*>(max_norm.untyped_data());
 
   int64_t chunk = 0;
-  ffi::Error status = DecodeLeaves(args, rets, call->scale_leaves, read_as, leaves, &chunk);
+  ffi::Error status = DecodeLeaves(args, rets, call->scale_leaves, read_as, columns, leaves, &chunk);
   if (status.failure()) return status;
   call->leaves = leaves->data();
   call->num_leaves = n;
@@ -189,7 +238,7 @@ inline ffi::Error DecodeScaleCall(const ffi::AnyBuffer& factors, const ffi::AnyB
                                        std::to_string(rets.size()));
   }
   int64_t chunk = 0;
-  ffi::Error status = DecodeLeaves(args, rets, true, {}, leaves, &chunk);
+  ffi::Error status = DecodeLeaves(args, rets, true, {}, {}, leaves, &chunk);
   if (status.failure()) return status;
   auto workspace = rets.get<ffi::AnyBuffer>(n);
   if (!workspace.has_value()) return workspace.error();

@@ -24,6 +24,8 @@ struct TableEntry {
   int64_t chunk_begin;
   int32_t leaf;  // index of the leaf in the whole call
   int32_t dtype;
+  int32_t width;  // as LeafDesc: 0 for a contiguous leaf, else its rows' width and stride
+  int32_t row_stride;
 };
 
 template <int kCap>
@@ -156,6 +158,62 @@ __device__ double ChunkSumSquares(const void* p, int64_t count) {
     AddSquare(LoadScalar<kDtype>(p, k), a);
   }
   return a + b;
+}
+
+// Sum of squares of the leaf elements [begin, begin + count) of a leaf that is a block of
+// columns: rows of `width` elements, `row_stride` apart (this block's chunk). Where the
+// rows are whole 16-byte vectors, each thread keeps the (row, column) of its next vector
+// and steps it by the block's stride (no division per load); otherwise element by element.
+template <int kDtype>
+__device__ double ColumnsSumSquares(const void* p, int64_t begin, int64_t count, int32_t width,
+                                    int32_t row_stride) {
+  constexpr int kVec = 16 / ElemBytes(kDtype);
+  double a = 0.0, b = 0.0;
+  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0 && width % kVec == 0 &&
+      row_stride % kVec == 0 && begin % kVec == 0) {
+    const uint4* pv = static_cast<const uint4*>(p);
+    const int32_t row_vecs = width / kVec;
+    const int64_t stride_vecs = row_stride / kVec;
+    const int32_t step_rows = kThreads / row_vecs, step_cols = kThreads % row_vecs;
+    const int64_t nvec = count / kVec;  // whole: count is whole rows or a whole chunk
+    const int64_t first = begin / kVec + threadIdx.x;
+    int64_t row = first / row_vecs;
+    int32_t col = static_cast<int32_t>(first % row_vecs);
+    auto next = [&]() {
+      const uint4* at = pv + row * stride_vecs + col;
+      col += step_cols;
+      row += step_rows;
+      if (col >= row_vecs) {
+        col -= row_vecs;
+        ++row;
+      }
+      return __ldg(at);
+    };
+    int64_t v = threadIdx.x;
+    for (; v + (kUnroll - 1) * kThreads < nvec; v += kUnroll * kThreads) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = next();
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) AddSquares<kDtype>(r[u], a, b);
+    }
+    for (; v < nvec; v += kThreads) AddSquares<kDtype>(next(), a, b);
+    return a + b;
+  }
+  for (int64_t k = begin + threadIdx.x; k < begin + count; k += kThreads) {
+    AddSquare(LoadScalar<kDtype>(p, k / width * row_stride + k % width), a);
+  }
+  return a + b;
+}
+
+// Sum of squares of this block's chunk of table entry `e`: `count` elements from its
+// element `begin`.
+template <int kDtype>
+__device__ __forceinline__ double EntrySumSquares(const TableEntry& e, int64_t begin,
+                                                  int64_t count) {
+  if (e.width != 0) return ColumnsSumSquares<kDtype>(e.data, begin, count, e.width, e.row_stride);
+  return ChunkSumSquares<kDtype>(static_cast<const char*>(e.data) + begin * ElemBytes(kDtype),
+                                 count);
 }
 
 template <int kDtype>

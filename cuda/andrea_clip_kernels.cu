@@ -38,13 +38,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = local * kChunkElems;
   const int64_t remaining = e.num_elements - begin;
   const int64_t count = remaining < kChunkElems ? (remaining > 0 ? remaining : 0) : kChunkElems;
-  const char* base = static_cast<const char*>(e.data) + begin * ElemBytes(e.dtype);
   double acc;
-  if (e.dtype == kF32) acc = ChunkSumSquares<kF32>(base, count);
-  else if (e.dtype == kBF16) acc = ChunkSumSquares<kBF16>(base, count);
-  else if (e.dtype == kF16) acc = ChunkSumSquares<kF16>(base, count);
-  else if (e.dtype == kF32AsBF16) acc = ChunkSumSquares<kF32AsBF16>(base, count);
-  else acc = ChunkSumSquares<kF32AsF16>(base, count);
+  if (e.dtype == kF32) acc = EntrySumSquares<kF32>(e, begin, count);
+  else if (e.dtype == kBF16) acc = EntrySumSquares<kBF16>(e, begin, count);
+  else if (e.dtype == kF16) acc = EntrySumSquares<kF16>(e, begin, count);
+  else if (e.dtype == kF32AsBF16) acc = EntrySumSquares<kF32AsBF16>(e, begin, count);
+  else acc = EntrySumSquares<kF32AsF16>(e, begin, count);
   acc = BlockSum(acc, shared);
   if (threadIdx.x == 0) {
     partials[chunk] = acc;
@@ -276,6 +275,8 @@ cudaError_t LaunchGroup(const Stage& stage, int64_t first, int64_t count, const 
     e.chunk_begin = leaf.chunk_begin;
     e.leaf = static_cast<int32_t>(first + j);
     e.dtype = leaf.dtype;
+    e.width = leaf.width;
+    e.row_stride = leaf.row_stride;
     end_chunk = leaf.chunk_begin + NumChunks(leaf.num_elements);
   }
   const int64_t chunks = end_chunk - table.chunk_base;

@@ -36,8 +36,8 @@ cudaError_t LaunchAndreaScale(const ScaleCall& call, cudaStream_t stream);
 cudaError_t KernelImageFor(int device, int* binary_version, int* ptx_version);
 
 // Leaves described in one kernel parameter table (passed by value; CUDA 12.1+
-// allows kernel parameters up to 32 KB).
-constexpr int kMaxLeavesPerLaunch = 1000;
+// allows kernel parameters up to 32 KB: 800 entries of 40 bytes).
+constexpr int kMaxLeavesPerLaunch = 800;
 
 }  // namespace clipjax
 

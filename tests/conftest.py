@@ -49,6 +49,20 @@ def random_tree(key, shapes, dtype=jnp.float32, scale=1.0):
           for i, (k, s) in enumerate(zip(keys, shapes))}
 
 
+def direct_clip_call(operands, *, read_as=None, columns=None, scale=False):
+  """The clip custom call made by hand (global mode, max_norm 1, NaN propagated), as the
+  handlers decode it: `read_as` one code per operand, `columns` a (first, width) pair per
+  operand (zeros: as stored, whole), `scale` the leaves as results. Returns its results."""
+  n = len(operands)
+  out = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands] if scale else []
+  out += [jax.ShapeDtypeStruct((n + 1,), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
+          jax.ShapeDtypeStruct((n, 4), jnp.float32), jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)]
+  call = jax.ffi.ffi_call("clipjax_andrea_clip", out)
+  return call(jnp.float32(1.0), *operands, mode=np.int64(0), on_nonfinite=np.int64(0),
+              read_as=np.asarray([0] * n if read_as is None else read_as, np.int64),
+              columns=np.asarray([0] * 2 * n if columns is None else columns, np.int64))
+
+
 def has_cuda() -> bool:
   try:
     return any(d.platform == "gpu" for d in jax.devices())

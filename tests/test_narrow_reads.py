@@ -1,5 +1,5 @@
 """The custom call's norms read a leaf that the same jit converted in a cheaper source
-(`_ffi.norm_sources`), which XLA would otherwise write out for the call:
+(`_sources.norm_sources`), which XLA would otherwise write out for the call:
 - a float32 leaf widened from bfloat16 or float16 in its narrow form (the gradients of a
   model with bfloat16 compute and float32 parameters);
 - a bfloat16 or float16 leaf narrowed from a float32 array in memory (a reduction's
@@ -18,6 +18,7 @@ import pytest
 
 import clipjax
 from clipjax import _native
+from conftest import direct_clip_call
 
 pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
 
@@ -242,15 +243,6 @@ def test_more_leaves_than_one_call_takes_read_rounded():
   np.testing.assert_allclose(got, want, rtol=0 if jax.default_backend() == "cpu" else 2.0**-23)
 
 
-def _direct_call(operands, read_as):
-  n = len(operands)
-  out = [jax.ShapeDtypeStruct((n + 1,), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32),
-         jax.ShapeDtypeStruct((n, 4), jnp.float32), jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)]
-  call = jax.ffi.ffi_call("clipjax_andrea_clip", out)
-  return call(jnp.float32(1.0), *operands, mode=np.int64(0), on_nonfinite=np.int64(0),
-              read_as=np.asarray(read_as, np.int64))
-
-
 @pytest.mark.parametrize("operands, read_as, message", [
     ([jnp.ones(4, jnp.bfloat16)], [1], "leaf 0 is read rounded, which takes a float32"),
     ([jnp.ones(4), jnp.ones(3)], [1], "read_as has 1 values for 2 leaves"),
@@ -260,4 +252,4 @@ def test_the_handler_names_a_bad_read_as(operands, read_as, message):
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU handler's check; the CUDA handler decodes the same way")
   with pytest.raises(Exception, match=re.escape(message)):
-    jax.block_until_ready(_direct_call(operands, read_as))
+    jax.block_until_ready(direct_clip_call(operands, read_as=read_as))
