@@ -95,8 +95,9 @@ def run(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by):
   leaf by leaf, which XLA's partitioner splits like any reduction.
 
   On a single device the custom call's norms read a leaf that this jit converted to or
-  from float32 in its cheaper source (`_sources.norm_sources`). Those arrays travel beside the
-  leaves, and the derivative takes no account of them: they hold the leaves' values.
+  from float32 in its cheaper source, and a merged matmul's gradient in the merged output
+  (`_sources.norm_sources`). Those arrays travel beside the leaves, and the derivative
+  takes no account of them: they hold the leaves' values.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   tangent = pure_jax_tangent(**kwargs)

@@ -42,7 +42,8 @@ inline ffi::Error DecodeColumns(int64_t i, const ffi::AnyBuffer& operand, int64_
   const std::string leaf = "clipjax: columns of leaf " + std::to_string(i);
   const auto dims = operand.dimensions();
   if (scale_leaves) {
-    return ffi::Error::InvalidArgument(leaf + " are given, but the call scales its leaves in place");
+    return ffi::Error::InvalidArgument(leaf +
+                                       " are given, but the call scales its leaves in place");
   }
   if (dims.size() != 2) {
     return ffi::Error::InvalidArgument(leaf + " need a two-dimensional operand; it has " +
