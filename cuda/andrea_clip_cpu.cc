@@ -92,11 +92,11 @@ struct F16Leaf {
 // Float32 operands that the norms read rounded to the narrowed leaf's type (never scaled).
 struct F32AsBF16Leaf {
   using Storage = float;
-  static float Load(float v) { return Bf16ToFloat(FloatToBf16(v)); }
+  static float Load(float v) { return BF16Leaf::Load(BF16Leaf::Store(v)); }
 };
 struct F32AsF16Leaf {
   using Storage = float;
-  static float Load(float v) { return F16ToFloat(FloatToF16(v)); }
+  static float Load(float v) { return F16Leaf::Load(F16Leaf::Store(v)); }
 };
 
 // Sum of squares of a leaf's elements [begin, end) in float64, with eight independent
