@@ -1,12 +1,16 @@
 """The step's speed options keep its numbers (model.py: remat, attention, dtype), the
-settings they resolve to per platform (config.py), and the MFU formula (throughput.py)."""
+settings they resolve to per platform (config.py), the MFU formula (throughput.py), and
+what the clip's custom call reads of the model's gradients."""
 
 import collections
 import dataclasses
+import re
 
+import clipjax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -176,6 +180,30 @@ def test_the_embeddings_gradients_are_summed_in_float32():
   assert not np.any(np.delete(token_grad, 7, axis=0))
   np.testing.assert_allclose(np.asarray(grads["pos_embed"]["embedding"][...]), g.sum(axis=0),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not clipjax.ffi_platforms(), reason="no clipjax custom-call handler")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_clip_reads_each_blocks_q_k_v_gradients_from_one_merged_matmul(dtype):
+  """The attention's q, k and v are dense layers of one input, so their weight gradients
+  are matmuls that XLA's GPU compiler merges; the clip's custom call reads each block's
+  three as columns of one array (clipjax's column reads), rather than a copy of each."""
+  cfg = model_lib.ModelConfig(**{**vars(SMALL), "dtype": dtype})
+  graphdef, params = nnx.split(model_lib.GPT(cfg, nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.zeros((2, 17), jnp.int32)
+  tx = optax.chain(clipjax.andrea_clip(1.0, impl="ffi"), optax.adamw(1e-3))
+
+  def step(params, opt_state):
+    grads = jax.grad(lambda p: nnx.merge(graphdef, p).token_losses(
+        tokens[:, :-1], tokens[:, 1:]).mean())(params)
+    return tx.update(grads, opt_state, params)
+
+  text = jax.jit(step).lower(params, tx.init(params)).as_text()
+  [call] = [line for line in text.splitlines() if "@clipjax_andrea_clip(" in line]
+  flat = [int(v) for v in re.search(r"columns = (?:dense<\[?|array<i64: )([-0-9, ]*)", call)
+          .group(1).split(",")]
+  widths = flat[1::2]
+  assert sorted(w for w in widths if w) == [SMALL.d_model] * (3 * SMALL.num_layers)
 
 
 # --- Settings per platform ---------------------------------------------------------
