@@ -80,6 +80,26 @@ def _converted_from(x):
   return _made_by(_unreshaped(x), "convert_element_type")
 
 
+def _in_memory(x) -> bool:
+  """Whether XLA has `x` in memory whatever reads it: an argument of the jit, or the result
+  of an `_IN_MEMORY` equation, looked for inside nested jits (JAX wraps some, as the
+  scatter-add that differentiates an indexing)."""
+  eqn = getattr(x, "parent", None)
+  if eqn is None:
+    return True
+  var = getattr(x, "val", None)  # the trace's variable (JAX versions without it: None)
+  while eqn.primitive.name in ("jit", "pjit"):
+    inner = getattr(eqn.params.get("jaxpr"), "jaxpr", None)
+    k = next((k for k, v in enumerate(getattr(eqn, "outvars", ())) if v is var), None)
+    if inner is None or k is None:
+      return False
+    var = inner.outvars[k]
+    eqn = next((e for e in inner.eqns if any(v is var for v in e.outvars)), None)
+    if eqn is None:  # one of the inner jit's inputs, passed through
+      return False
+  return eqn.primitive.name in _IN_MEMORY
+
+
 def norm_sources(leaves) -> NormInputs | None:
   """What the norm kernels may read in place of `leaves`, or None where they read the
   leaves. Only a leaf traced in the same jit as the equations that made it is known by
@@ -108,8 +128,7 @@ def norm_sources(leaves) -> NormInputs | None:
     wide = _converted_from(source)
     if (jnp.dtype(source.dtype) in _NARROW_FLOATS and wide is not None
         and jnp.dtype(wide.dtype) == jnp.float32):
-      producer = getattr(_unreshaped(wide), "parent", None)
-      if producer is None or producer.primitive.name in _IN_MEMORY:
+      if _in_memory(_unreshaped(wide)):
         source, rounded_to = wide, jnp.dtype(source.dtype)
     arrays.append(source if source is x else source.reshape(x.shape))
     read_as.append(rounded_to)

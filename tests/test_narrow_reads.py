@@ -188,6 +188,28 @@ def test_the_norms_read_narrowed_leaves_as_their_float32_sources_rounded():
   assert _read_as(text) == [[1, 2, 1, 2, 0]]  # bfloat16, float16, bfloat16, float16, as stored
 
 
+def test_a_source_inside_a_nested_jit_is_read_rounded():
+  """JAX wraps some equations in a jit of their own, as the scatter-add that differentiates
+  an indexing (a bfloat16 embedding's gradient, summed in float32): the source is looked
+  for inside it. An elementwise product there is not in memory, and is read as the leaf."""
+  a = _f32_sums()
+  table = jnp.asarray(np.random.default_rng(5).standard_normal((10, 100)), jnp.bfloat16)
+  rows = jnp.array([1, 5, 1, 7])
+  product = jax.jit(lambda a: a * 1.1)
+
+  def leaves(table, a):
+    grad = jax.grad(lambda t: jnp.sum(jnp.take(t.astype(jnp.float32), rows, axis=0) * a[:4]))
+    return [grad(table), product(a).astype(jnp.bfloat16)]
+
+  norm = jax.jit(lambda table, a: clipjax.global_norm(leaves(table, a), impl="ffi"))
+  text = norm.lower(table, a).as_text()
+  assert _call_operand_types(text) == [["tensor<10x100xf32>", "tensor<64x100xbf16>"]]
+  assert _read_as(text) == [[1, 0]]
+  want = jax.jit(lambda t: clipjax.global_norm(t, impl="ffi"))(jax.jit(leaves)(table, a))
+  np.testing.assert_allclose(norm(table, a), want,
+                             rtol=0 if jax.default_backend() == "cpu" else 2.0**-23)
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-6, 3e3])
 def test_rounded_reads_give_the_narrowed_leaves_norms(scale):
   """Against the same narrow leaves passed to the jit (read as they are): the same norms
