@@ -72,10 +72,10 @@ def test_q_k_v_gradients_are_read_as_columns_of_one_array(dtype):
   p, x = _model(dtype=dtype)
   opt = optax.chain(clipjax.andrea_clip(1.0, impl="ffi"), optax.adamw(1e-3))
   text = _step(opt).lower(p, opt.init(p), x).as_text()
-  # Leaves in tree order k, o, q, v: the concatenation is [q | k | v]'s order of leaves (k, q, v).
+  # The leaves in tree order are k, o, q, v; the concatenation holds k, q, v in that order.
   assert _columns(text) == [[(0, 48), (0, 0), (48, 48), (96, 48)]]
-  itemsize = jnp.dtype(dtype).itemsize
-  assert re.search(rf"tensor<64x144x{'f32' if itemsize == 4 else 'bf16'}>", _calls(text)[0])
+  assert re.search(rf"tensor<64x144x{'f32' if dtype == jnp.float32 else 'bf16'}>",
+                   _calls(text)[0])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
