@@ -122,7 +122,10 @@ class Prefetcher:
                ahead: int = 1, depth: int = 4):
     """sharding: how a batch's rows are split over the devices (default: all on the
     default device)."""
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # jax.sharding.SingleDeviceSharding is deprecated where its factory exists.
+    single = (getattr(jax.sharding, "make_single_device_sharding", None)
+              or jax.sharding.SingleDeviceSharding)
+    sharding = sharding or single(jax.devices()[0])
     self._sharding = sharding
     self._shapes = ((batch_size, context_length + 1), (batch_size,))
     self._host = HostBatches(streams, seed=seed, batch_size=batch_size,

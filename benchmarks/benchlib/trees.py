@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 F32 = jnp.float32
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -178,7 +178,10 @@ class Layout:
 
   def sharding(self, shape):
     if self.name == "single":
-      return SingleDeviceSharding(jax.devices()[0])
+      # jax.sharding.SingleDeviceSharding is deprecated where its factory exists.
+      make = (getattr(jax.sharding, "make_single_device_sharding", None)
+              or jax.sharding.SingleDeviceSharding)
+      return make(jax.devices()[0])
     return NamedSharding(self.mesh, self.spec(shape))
 
   def shardings_like(self, tree):
