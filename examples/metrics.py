@@ -76,6 +76,9 @@ def phase_record(step: int, phase: int, length: int, names: Sequence[str], weigh
 
 
 TOP_LEAVES = 5  # a spike step's record names its leaves of the largest norms
+# A step record's fields that measure the machine, not the run: two runs of the same
+# settings (one of them resumed, say) differ in them and in nothing else.
+MEASURED = ("tokens_per_s", "step_time_s", "device_memory_bytes")
 
 
 def step_record(step: int, phase: int, names: Sequence[str], m: dict,

@@ -89,3 +89,13 @@ def devices_here() -> int | None:
   """N inside a subprocess of run_file_on_cpu_devices, else None."""
   count = os.environ.get(DEVICES_ENV)
   return int(count) if count else None
+
+
+def require_repeatable_bits() -> None:
+  """Skips a test that compares two runs bit for bit where they may differ: on a GPU,
+  XLA's scatter-adds (the embeddings' gradients) add in whatever order their threads
+  come, unless its deterministic ops are on. A CPU runs them in one order."""
+  if (jax.default_backend() == "gpu"
+      and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", "")):
+    pytest.skip("two runs on a GPU give the same bits only with "
+                "XLA_FLAGS=--xla_gpu_deterministic_ops=true")

@@ -70,7 +70,9 @@ def test_token_losses_are_the_cross_entropy_of_the_logits(dtype):
   """Training's losses (the LM head padded to VOCAB_ALIGN columns, the padding masked)
   are those of the model's logits: 300 columns are padded to 384. (With a vocabulary
   that needs no padding, test_example_loop.py pins the losses.) In bfloat16 the padded
-  matmul may round its logits differently (a bfloat16 ulp is 2**-8)."""
+  matmul may round its logits differently (a bfloat16 ulp is 2**-8); in float32 the
+  matmuls run in float32, where a GPU's default would round their inputs to
+  TensorFloat-32, differently for the padded shape."""
   vocab_size = 300
   model_cfg = dataclasses.replace(SMALL, num_layers=1, dtype=dtype)
   graphdef, params = nnx.split(model_lib.GPT(model_cfg, nnx.Rngs(0)))
@@ -86,7 +88,8 @@ def test_token_losses_are_the_cross_entropy_of_the_logits(dtype):
   # Each: (the mean loss, the per-token losses) and the mean's gradients, in one jit.
   run = lambda f: jax.jit(jax.value_and_grad(lambda p: (f(p).mean(), f(p)), has_aux=True))(
       params)
-  ((_, want), want_grads), ((_, got), got_grads) = run(from_logits), run(padded)
+  with jax.default_matmul_precision("float32" if dtype == "float32" else None):
+    ((_, want), want_grads), ((_, got), got_grads) = run(from_logits), run(padded)
   assert got.shape == (4, 16) and got.dtype == jnp.float32
   tol = {"float32": 1e-6, "bfloat16": 2**-8}[dtype]
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
