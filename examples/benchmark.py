@@ -1,4 +1,4 @@
-"""The real training step on the clock a user reads: the example's GPT (examples/model.py)
+"""The real training step on the clock a user reads: the example's GPT (gpt/model.py)
 forward, backward, clip and AdamW, one jitted call per step, parameters and optimizer state
 donated, no metrics fetched.
 
@@ -40,10 +40,10 @@ a GPU they are left out, and the JSON says why. With torch's rows XLA does not p
 the GPU's memory, so that torch can share it; without them it does, as in a user's JAX
 process.
 
-    python benchmarks/bench_train_step.py                      # the GPU run
-    python benchmarks/bench_train_step.py --quick              # tiny model: a CPU run
-    python benchmarks/bench_train_step.py --cases andrea-120m:1:f32 --variants none,andrea
-    python benchmarks/bench_train_step.py --cases andrea-120m:1:bf16 --variants none,andrea --kernels 8
+    python examples/benchmark.py                # the GPU run
+    python examples/benchmark.py --quick        # tiny model: a CPU run
+    python examples/benchmark.py --cases andrea-120m:1:f32 --variants none,andrea
+    python examples/benchmark.py --cases andrea-120m:1:bf16 --variants none,andrea --kernels 8
 
 --kernels N says where a variant's device time goes: from the profiled round, each kernel
 is classed by the kind of fusion XLA made and the shape it writes (gemm_fusion_dot
@@ -65,21 +65,22 @@ import sys
 import time
 import warnings
 
+import clipjax
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchlib import profiling, state_split, tables, targets, timing
-from benchlib.cli import Log, choices
-from benchlib.torch_baseline import import_torch
-from benchlib.torch_gpt import TorchRunner
+if __name__ == "__main__":  # run as a script: the timing harness is the benchmarks' own
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "benchmarks"))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
-import model as model_lib  # noqa: E402  (the example's GPT)
+from benchlib import profiling, state_split, tables, targets, timing  # noqa: E402
+from benchlib.cli import Log, choices  # noqa: E402
+from benchlib.torch_baseline import import_torch  # noqa: E402
+from benchlib.torch_gpt import TorchRunner  # noqa: E402
 
-import clipjax  # noqa: E402
+from gpt import model as model_lib  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 LEARNING_RATE, WEIGHT_DECAY, MAX_NORM = 1e-5, 0.1, 1.0
@@ -342,7 +343,7 @@ def main(argv=None):
   if torch is not None:  # before JAX starts its backend
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   meta = tables.run_metadata(args)
-  out = args.out or tables.default_out_path("bench_train_step", meta)
+  out = args.out or tables.default_out_path("train_step", meta)
   skipped = dict.fromkeys(torch_variants, why) if torch is None else {}
   results = {"meta": meta, "rows": [], "targets": [], "skipped": skipped}
   for name, batch, dtype in args.cases:

@@ -6,32 +6,14 @@
     python examples/train_gpt.py --mesh data=2,fsdp=4   # 8 devices: data parallel x FSDP
     srun python examples/train_gpt.py --config andrea-120m   # one process per task (SLURM)
 
-`--help` lists every flag. The files of the example, each with one job:
-
-  config.py          every setting, the presets and recipes, the flags
-  corpus.py          the sources: the user's files, held-out text, sample prompts
-  default_corpus.py  the default corpus: fixed, versioned files in data/
-  tokenizer.py       BPE training, the cache, token streams
-  bandit.py          phases and the EXP3 weights
-  pipeline.py        batch sampling on a thread, the device batches a step ahead
-  model.py           the GPT and its three sizes
-  train_step.py      the optimizer and the jitted, donated step
-  sharding.py        the device mesh (--mesh) and where each array lives on it
-  distributed.py     a run of several processes: launch, process 0's writes
-  run_dir.py         the run directory: an earlier run refused, or set aside until replaced
-  loop.py            the training run: `loop.train(TrainConfig(...))` from Python
-  steps.py           the steps in order: the jitted step, metrics in groups, checkpoints
-  throughput.py      FLOPs per token, the devices' peak, MFU
-  metrics.py         the metrics log and atomic file writes
-  checkpoint.py      Orbax checkpoints, checked restore with fallback
-  report.py          summary.json, the plot, samples and their repetition scores
-  status.py          status lines for the slow steps
+`--help` lists every flag. The modules are the package gpt/ beside this file (gpt/__init__.py
+says where each job lives); `gpt.training.loop.train(cfg)` runs the same from Python.
 """
 
 import sys
 
-import config
-import corpus
+from gpt import config
+from gpt.data import corpus
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,8 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.check(cfg)
   except (config.ConfigError, corpus.SourceError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
-  import distributed  # noqa: PLC0415 - these import jax
-  import loop  # noqa: PLC0415
+  from gpt.training import distributed, loop  # noqa: PLC0415 - these import jax
   with distributed.exit_on_error(), distributed.handle_sigterm():
     try:
       loop.train(cfg)

@@ -3,15 +3,10 @@ and the verdicts it gives, the variants that split a clip's cost, and the clips 
 bench_clip.py runs as passes of a loop."""
 
 import math
-import pathlib
-import sys
 import time
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from benchlib import clips, state_split, targets, timing, trees  # noqa: E402
+from benchlib import clips, state_split, targets, timing, trees
 
 
 @pytest.mark.parametrize("drained", [False, True])
@@ -61,7 +56,7 @@ def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_bound(interval, w
 
 
 def test_target_verdicts_pair_each_round_with_its_peer():
-  """bench_train_step's verdicts: every clip's step and the control, each against its peer
+  """examples/benchmark.py's verdicts: every clip's step and the control, each against its peer
   in the same round, on the clock the target names."""
   flat = lambda v: {"rounds": [v] * 10}  # noqa: E731
   rows = [{"model": "m", "batch": 1, "dtype": "f32", "variant": v, "label": v,
@@ -80,7 +75,7 @@ def test_target_verdicts_pair_each_round_with_its_peer():
 
 
 def test_the_state_split_holds_the_clips_state_or_its_updates_and_not_both():
-  """bench_train_step's two halves of the clip: one carries arrays like the clip state and
+  """examples/benchmark.py's two halves of the clip: one carries arrays like the clip state and
   leaves the updates alone, the other clips with no state carried."""
   import jax
   import jax.numpy as jnp

@@ -9,19 +9,18 @@ import subprocess
 import sys
 
 import pytest
+from benchlib import clips, profiling, timing, trees
+from conftest import load_script
+from watched import run_watched
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchlib import clips, profiling, timing, trees  # noqa: E402
-from conftest import load_script  # noqa: E402
-from watched import run_watched  # noqa: E402
 
 
 def run_quick(script, tmp_path, *args, **env):
-  """Runs `script --quick`; returns (its JSON, its stdout)."""
+  """Runs `script --quick` (a path from the repository's root); returns (its JSON, its
+  stdout)."""
   out = tmp_path / "out.json"
-  run = run_watched([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out),
+  run = run_watched([sys.executable, script, "--quick", "--out", str(out),
                      *args], cwd=ROOT, env=dict(os.environ, **env))
   assert run.returncode == 0, run.stdout[-12000:]
   return json.loads(out.read_text()), run.stdout
@@ -34,7 +33,7 @@ def find(rows, **keys):
 
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_clip_quick(tmp_path):
-  results, stdout = run_quick("bench_clip.py", tmp_path)
+  results, stdout = run_quick("benchmarks/bench_clip.py", tmp_path)
   meta = results["meta"]
   assert meta["complete"] and meta["passed"] and meta["andrea_impl_arg"] == "ffi"
   assert "CLIP ALONE" in stdout and "correctness: PASS" in stdout
@@ -60,8 +59,8 @@ def test_bench_clip_quick(tmp_path):
 
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_step_quick(tmp_path):
-  results, stdout = run_quick("bench_step.py", tmp_path, "--dtypes", "f32", "--optimizers",
-                              "adamw,inject_adamw", "--clips",
+  results, stdout = run_quick("benchmarks/bench_step.py", tmp_path, "--dtypes", "f32",
+                              "--optimizers", "adamw,inject_adamw", "--clips",
                               "none,andrea,andrea_kernel,andrea_jax,optax")
   meta = results["meta"]
   assert meta["complete"] and meta["passed"] and "TRAINING STEP" in stdout
@@ -87,7 +86,8 @@ def test_bench_step_quick(tmp_path):
 @pytest.mark.slow  # a whole benchmark run, a minute or more
 def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
   flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-  results, stdout = run_quick("bench_sharded.py", tmp_path, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  results, stdout = run_quick("benchmarks/bench_sharded.py", tmp_path, XLA_FLAGS=flags,
+                              JAX_PLATFORMS="cpu")
   meta = results["meta"]
   assert meta["device_count"] == 2 and meta["passed"] and meta["complete"]
   assert "SHARDED CLIP" in stdout and "FSDP TRAINING STEP" in stdout
@@ -120,7 +120,7 @@ def test_bench_sharded_quick_on_two_cpu_devices(tmp_path):
 
 
 def test_bench_compile_quick(tmp_path):
-  results, stdout = run_quick("bench_compile.py", tmp_path)
+  results, stdout = run_quick("benchmarks/bench_compile.py", tmp_path)
   assert "COMPILE TIME" in stdout
   assert [(r["round"], r["leaves"], r["impl"], r["status"]) for r in results["rows"]] == [
       (0, 10, "ffi", "ok"), (0, 10, "jax", "ok"), (0, 10, "optax", "ok"),
@@ -174,7 +174,7 @@ def test_bench_compile_without_result_names(tmp_path, monkeypatch):
   bench_compile.drop_result_names()
   unnamed = jax.jit(lambda t: [x * 3 for x in t]).lower(tree).as_text()
   assert "jax.result_info" not in unnamed and unnamed.count("stablehlo.multiply") == 2
-  results, stdout = run_quick("bench_compile.py", tmp_path, "--impls", "floor",
+  results, stdout = run_quick("benchmarks/bench_compile.py", tmp_path, "--impls", "floor",
                               "--without-result-names")
   assert "WITHOUT per-output names" in stdout
   [row] = results["rows"]
@@ -182,7 +182,7 @@ def test_bench_compile_without_result_names(tmp_path, monkeypatch):
 
 
 def test_bench_pure_jax_quick(tmp_path):
-  results, stdout = run_quick("bench_pure_jax.py", tmp_path)
+  results, stdout = run_quick("benchmarks/bench_pure_jax.py", tmp_path)
   assert "PURE JAX AGAINST OPTAX" in stdout
   rows = results["rows"]
   assert [r["what"] for r in rows] == [
@@ -192,7 +192,7 @@ def test_bench_pure_jax_quick(tmp_path):
 
 
 def test_bench_dispatch_quick(tmp_path):
-  results, stdout = run_quick("bench_dispatch.py", tmp_path)
+  results, stdout = run_quick("benchmarks/bench_dispatch.py", tmp_path)
   assert "HOST TIME PER JITTED CALL" in stdout
   rows = {r["layout"]: r for r in results["rows"]}
   assert {k: r["state_arrays"] for k, r in rows.items()} == {
@@ -205,9 +205,9 @@ def test_bench_dispatch_quick(tmp_path):
 
 
 @pytest.mark.slow  # a whole benchmark run, a minute or more
-def test_bench_train_step_quick(tmp_path):
+def test_example_benchmark_quick(tmp_path):
   hlo_dir = tmp_path / "hlo"
-  results, stdout = run_quick("bench_train_step.py", tmp_path, "--hlo-dir", str(hlo_dir),
+  results, stdout = run_quick("examples/benchmark.py", tmp_path, "--hlo-dir", str(hlo_dir),
                               "--kernels", "3")
   assert results["meta"]["complete"] and "REAL TRAINING STEP" in stdout
   rows = results["rows"]
@@ -248,7 +248,7 @@ def test_bench_train_step_quick(tmp_path):
 
 
 def test_torch_gpt_is_the_example_model():
-  """bench_train_step's torch rows run the example's GPT: with the JAX model's weights
+  """examples/benchmark.py's torch rows run the example's GPT: with the JAX model's weights
   copied in leaf for leaf, the torch model gives the same logits, and its step (the clip,
   then AdamW) moves every leaf."""
   torch = pytest.importorskip("torch")
@@ -257,8 +257,7 @@ def test_torch_gpt_is_the_example_model():
   from flax import nnx
 
   from benchlib import torch_gpt
-  sys.path.insert(0, str(ROOT / "examples"))
-  import model as model_lib
+  from gpt import model as model_lib
 
   cfg = model_lib.ModelConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=300,
                               context_length=16)

@@ -3,14 +3,9 @@ kernels by name and by class (the fusion XLA made, the shape it writes), how two
 classes differ, the collectives in an optimized module, and what wrote each operand of the
 clip's custom call. Synthetic traces and HLO, or programs compiled for the CPU."""
 
-import pathlib
-import sys
 from types import SimpleNamespace as NS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchlib import profiling  # noqa: E402
+from benchlib import profiling
 
 
 def test_busy_seconds_is_the_union_of_stream_activity():

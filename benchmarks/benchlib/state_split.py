@@ -1,4 +1,4 @@
-"""Two steps of bench_train_step.py that split the clip's cost into its state and the rest.
+"""Two steps of examples/benchmark.py that split the clip's cost into its state and the rest.
 
 A step with `andrea_clip` passes its state (`AndreaClipState`: nine arrays) into and out of
 every call, donated, where the host pays for each array; and it runs the clip. These two

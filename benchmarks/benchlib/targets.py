@@ -1,6 +1,6 @@
 """The real training step held to its targets (docs/wall_clock.md): each clip's step, and the
 control, against its peer in the same rounds, on the paired ratio's median and its 95%
-interval (`timing.median_interval`). bench_train_step.py's rows are the input."""
+interval (`timing.median_interval`). examples/benchmark.py's rows are the input."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""torch's side of bench_train_step: the example's GPT (examples/model.py) written in torch,
-leaf for leaf, and its training step as a torch user writes it, eagerly: forward (bfloat16
-autocast over float32 parameters, or bfloat16 parameters), the float32 logits'
+"""torch's side of examples/benchmark.py: the example's GPT (examples/gpt/model.py) written
+in torch, leaf for leaf, and its training step as a torch user writes it, eagerly: forward
+(bfloat16 autocast over float32 parameters, or bfloat16 parameters), the float32 logits'
 cross-entropy, backward, then fused AdamW alone or after clip_grad_norm_(foreach=True).
 
 The same architecture: learned positional embeddings, pre-LayerNorm blocks (epsilon 1e-6,
@@ -91,7 +91,7 @@ def make_step(torch, model, *, clip_norm, learning_rate, weight_decay, autocast)
 
 
 class TorchRunner:
-  """bench_train_step's Runner for torch: one variant's model, optimizer and batch, carried
+  """examples/benchmark.py's Runner for torch: one variant's model, optimizer and batch, carried
   from round to round, read on the same clocks (its profiled round is JAX's profiler's,
   whose CUPTI tracing records the process's kernels, torch's among them)."""
 

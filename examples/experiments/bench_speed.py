@@ -29,6 +29,7 @@ One H200, about 5 minutes (the default corpus's tokenizer is trained first if
 import argparse
 import glob
 import os
+import sys
 import shutil
 import statistics
 import tempfile
@@ -37,14 +38,14 @@ import time
 import jax
 import numpy as np
 
-import exp_common  # first: it puts examples/ on the path
-import config  # noqa: E402
-import loop  # noqa: E402
-import pipeline  # noqa: E402
-import sharding  # noqa: E402
-import steps  # noqa: E402
-import throughput  # noqa: E402
-import train_step as train_step_lib  # noqa: E402
+if __name__ == "__main__":  # run as a script: the example's package is one folder up
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import exp_common  # noqa: E402
+from gpt import config  # noqa: E402
+from gpt.data import pipeline  # noqa: E402
+from gpt.reports import throughput  # noqa: E402
+from gpt.training import loop, sharding, steps, train_step as train_step_lib  # noqa: E402
 
 # attention, dtype, remat, batch: what each does to andrea-120m's step on a GPU. The first
 # is the example's default there; the second its default before cuDNN attention.

@@ -19,11 +19,9 @@ import sys
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import config  # noqa: E402
-import loop  # noqa: E402
-import metrics  # noqa: E402
+from gpt import config
+from gpt.reports import metrics
+from gpt.training import loop
 
 # Settings passed through to every training run of an experiment; None keeps the preset.
 TRAIN_FLAGS = {

@@ -26,6 +26,7 @@ handler, so the same script runs small anywhere:
 import argparse
 import dataclasses
 import os
+import sys
 import statistics
 import time
 
@@ -36,12 +37,13 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
-import exp_common  # first: it puts examples/ on the path
-import config  # noqa: E402
-import loop  # noqa: E402
-import metrics  # noqa: E402
-import model as model_lib  # noqa: E402
-import train_step as train_step_lib  # noqa: E402
+if __name__ == "__main__":  # run as a script: the example's package is one folder up
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import exp_common  # noqa: E402
+from gpt import config, model as model_lib  # noqa: E402
+from gpt.reports import metrics  # noqa: E402
+from gpt.training import loop, train_step as train_step_lib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

@@ -30,12 +30,16 @@ sweeps split over several commands (one per GPU) are reported together.
 import argparse
 import os
 import re
+import sys
 
 import matplotlib
 import numpy as np
 
-import exp_common  # first: it puts examples/ on the path
-import exp_v1_vs_v2
+if __name__ == "__main__":  # run as a script: the example's package is one folder up
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import exp_common  # noqa: E402
+import exp_v1_vs_v2  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

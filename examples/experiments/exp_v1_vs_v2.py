@@ -32,12 +32,16 @@ run in OUT_DIR, so runs made by separate commands can be reported together
 import argparse
 import math
 import os
+import sys
 
 import matplotlib
 import numpy as np
 
-import exp_common  # first: it puts examples/ on the path
-import config  # noqa: E402
+if __name__ == "__main__":  # run as a script: the example's package is one folder up
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import exp_common  # noqa: E402
+from gpt import config  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

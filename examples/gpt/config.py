@@ -14,9 +14,7 @@ import os
 
 import numpy as np
 
-import bandit
-import corpus
-import tokenizer as tokenizer_lib
+from .data import bandit, corpus, tokenizer as tokenizer_lib
 
 ANDREA_VOCAB_SIZE = 8449
 REMAT_CHOICES = ("none", "block", "dots")  # model.py's REMAT_POLICIES, and "none"

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from config import ANDREA_VOCAB_SIZE, REMAT_CHOICES
+from .config import ANDREA_VOCAB_SIZE, REMAT_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)

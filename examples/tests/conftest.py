@@ -1,21 +1,19 @@
-"""What the example's tests share: the example's modules (and its experiments') on the
-path, one tokenizer cache and one compilation cache for the session, the tiny settings
-most tests start from, and runs of a test file on N forced CPU devices."""
+"""What the example's tests share: one tokenizer cache and one compilation cache for the
+session, the tiny settings most tests start from, and runs of a test file on N forced CPU
+devices. The example's package and its experiments are found through pyproject.toml's
+`pythonpath`."""
 
 import os
 import pathlib
-import sys
 
 import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
+from watched import run_pytest_on_cpu_devices
+
+from gpt import config
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(EXAMPLES), str(EXAMPLES / "experiments")]
-sys.path.append(str(EXAMPLES.parent / "tests"))  # the library tests' helpers
-
-import config  # noqa: E402
-from watched import run_pytest_on_cpu_devices  # noqa: E402
 
 
 @pytest.fixture(scope="session")

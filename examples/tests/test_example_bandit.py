@@ -5,8 +5,7 @@ import json
 import numpy as np
 import pytest
 
-import bandit
-import pipeline
+from gpt.data import bandit, pipeline
 
 CFG = bandit.BanditConfig(eta=2.0, floor=0.05, smoothing=0.5)
 

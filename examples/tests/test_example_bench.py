@@ -6,7 +6,7 @@ import json
 import pytest
 
 import bench_speed
-import metrics
+from gpt.reports import metrics
 
 TINY = ["--config", "tiny", "--batch-size", "8", "--context-length", "32", "--vocab-size",
         "512", "--max-source-mb", "0.05", "--rounds", "2", "--round-steps", "4"]

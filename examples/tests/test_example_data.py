@@ -14,9 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-import corpus
-import default_corpus
-import tokenizer as tokenizer_lib
+from gpt.data import corpus, default_corpus, tokenizer as tokenizer_lib
 
 SMALL_CORPUS = {
     "repo-docs": ["# clipjax\n\n- global norm\n- per tensor norm\n- three kernels\n"] * 20,

@@ -7,14 +7,14 @@ import os
 import numpy as np
 import pytest
 
-import config
+from gpt import config
 import exp_common
 import exp_fallback_vs_cuda
 import exp_lr_sweep
 import exp_v1_vs_v2
-import loop
-import metrics
-import model as model_lib
+from gpt import model as model_lib
+from gpt.reports import metrics
+from gpt.training import loop
 
 # The tiny model on a small vocabulary, short context and small batch.
 TINY = ["--batch-size", "4", "--context-length", "32", "--vocab-size", "512",

@@ -13,12 +13,9 @@ import sys
 
 import pytest
 
-import checkpoint
-import config
-import loop
-import metrics
-import run_dir as run_dir_lib
-import steps
+from gpt import config
+from gpt.reports import metrics
+from gpt.training import checkpoint, loop, run_dir as run_dir_lib, steps
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6  # checkpoints at 2, 4 and 6; the last two kept
@@ -66,10 +63,9 @@ def flags(cfg, *extra) -> list[str]:
 
 _PARSE_ONLY = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-import train_gpt
+import train_gpt  # python -c finds it in its working directory, examples/
 results = []
-for argv in json.loads(sys.argv[2]):
+for argv in json.loads(sys.argv[1]):
   try:
     train_gpt.main(argv)
     code = None
@@ -98,7 +94,7 @@ def test_bad_flags_fail_at_once_without_jax_and_touch_nothing(copy, tmp_path):
       "argument --steps: invalid int value: 'six'": ["--steps", "six"],
   }
   argvs = [flags(cfg, "--overwrite", *extra) for extra in bad.values()] + [["--help"]]
-  run = subprocess.run([sys.executable, "-c", _PARSE_ONLY, str(EXAMPLES), json.dumps(argvs)],
+  run = subprocess.run([sys.executable, "-c", _PARSE_ONLY, json.dumps(argvs)], cwd=EXAMPLES,
                        capture_output=True, text=True, check=True)
   result = json.loads(run.stdout.splitlines()[-1])
   assert result == {"codes": [2] * len(bad) + [0], "jax_imported": False}

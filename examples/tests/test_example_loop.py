@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-import loop
-import metrics
+from gpt.reports import metrics
+from gpt.training import loop
 from examples.tests.conftest import require_repeatable_bits
 
 SEED = 16  # phases start at steps 1, 15, 29, 43 and 57 of 60: four bandit updates

@@ -24,11 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import config
-import loop
-import metrics
-import sharding
-import train_step
+from gpt import config
+from gpt.reports import metrics
+from gpt.training import loop, sharding, train_step
 from examples.tests.conftest import devices_here, run_file_on_cpu_devices
 
 STEPS, STOP = 50, 25

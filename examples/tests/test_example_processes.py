@@ -25,9 +25,9 @@ import jax
 import numpy as np
 import pytest
 
-import config
-import distributed
-import metrics
+from gpt import config
+from gpt.reports import metrics
+from gpt.training import distributed
 from examples.tests.conftest import EXAMPLES
 
 STEPS, STOP = 20, 10

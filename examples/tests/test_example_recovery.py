@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import checkpoint
-import loop
-import metrics
+from gpt.reports import metrics
+from gpt.training import checkpoint, loop
 import train_gpt
-import train_step
+from gpt.training import train_step
 
 steps_of = metrics.step_records
 

@@ -8,12 +8,11 @@ import re
 import jax
 import pytest
 
-import checkpoint
-import config
-import loop
-import metrics
+from gpt import config
+from gpt.reports import metrics
+from gpt.training import checkpoint, loop
 import train_gpt
-import train_step
+from gpt.training import train_step
 
 STEPS = 6
 

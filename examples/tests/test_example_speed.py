@@ -14,10 +14,9 @@ import optax
 import pytest
 from flax import nnx
 
-import config
-import loop
-import model as model_lib
-import throughput
+from gpt import config, model as model_lib
+from gpt.reports import throughput
+from gpt.training import loop
 
 
 SMALL = model_lib.ModelConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=300,

@@ -11,13 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-import bandit
-import config
-import corpus
-import loop
-import metrics
+from gpt import config
+from gpt.data import bandit, corpus
+from gpt.reports import metrics
+from gpt.training import loop
 import train_gpt
-import train_step
+from gpt.training import train_step
 from examples.tests.conftest import require_repeatable_bits
 
 NAMES = ("repo-docs", "gutenberg", "hermes3-general")

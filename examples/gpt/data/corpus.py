@@ -36,7 +36,7 @@ import lzma
 import os
 from typing import Callable, Iterable, Iterator, Sequence
 
-import default_corpus
+from . import default_corpus
 
 SOURCE_NAMES = ("repo-docs", "gutenberg", "hermes3-general")
 MAX_BINARY_SHARE = 0.01

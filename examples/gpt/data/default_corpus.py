@@ -1,5 +1,5 @@
 """The default text of the three sources: a fixed, versioned corpus shipped with the
-example (data/VERSION/), the same bytes on every machine and every Python.
+example (examples/data/VERSION/), the same bytes on every machine and every Python.
 
   repo-docs        list-structured docs: the READMEs, .md and .rst files of Python
                    packages under permissive licences (Apache-2.0, MIT, BSD, PSF-2.0)
@@ -19,7 +19,9 @@ import hashlib
 import os
 
 VERSION = "v1"
-DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", VERSION)
+# The files live in examples/data/, beside the package.
+EXAMPLES = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DIRECTORY = os.path.join(EXAMPLES, "data", VERSION)
 SHA256 = {
     "repo-docs": "4e13b517a8a1cf87b292fb79037c93e87286aa089cb1e8dff573e27082dc587e",
     "gutenberg": "629fafa606c55bfd7fd5ad4dfa5fe78fa3b1a8aa21d4a5239341657ea5364544",

@@ -13,7 +13,7 @@ import os
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import status
+from ..training import status
 
 END_OF_TEXT = "<|endoftext|>"
 _FORMAT_VERSION = "1"  # bump when the training recipe below changes

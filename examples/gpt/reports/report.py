@@ -20,10 +20,9 @@ import matplotlib.ticker
 import numpy as np
 from flax import nnx
 
-import distributed
-import metrics
-import throughput
-from config import TrainConfig
+from ..config import TrainConfig
+from ..training import distributed
+from . import metrics, throughput
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-import distributed
-import metrics
+from ..reports import metrics
+from . import distributed
 
 CHECKSUMS = "clipjax-checksums.json"
 

@@ -40,8 +40,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import status
-from config import ConfigError
+from ..config import ConfigError
+from . import status
 
 ENV = {"num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 

@@ -13,7 +13,7 @@
   report         summary.json, report.png and samples.txt, once the last step is done
 
 `start` and `finish` are the parts before and after the steps, for callers that run the
-steps themselves (benchmark.py).
+steps themselves (experiments/bench_speed.py).
 """
 
 import dataclasses
@@ -27,23 +27,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-import bandit
-import checkpoint
-import corpus
-import distributed
-import metrics
-import model as model_lib
-import pipeline
-import report
-import run_dir as run_dir_lib
-import sharding
-import status
-import steps
-import throughput
-import tokenizer as tokenizer_lib
-import train_step as train_step_lib
-from config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
-from steps import State, Stopped, TrainingDiverged  # noqa: F401 - the loop's API
+from .. import model as model_lib
+from ..config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
+from ..data import bandit, corpus, pipeline, tokenizer as tokenizer_lib
+from ..reports import metrics, report, throughput
+from . import checkpoint, distributed, run_dir as run_dir_lib, sharding, status, steps
+from . import train_step as train_step_lib
+from .steps import State, Stopped, TrainingDiverged  # noqa: F401 - the loop's API
 
 # Errors in what the user gave: a flag, a source, the run directory. One line, no traceback.
 USER_ERRORS = (ConfigError, corpus.SourceError, checkpoint.CheckpointError,

@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Callable
 
-from config import ConfigError
+from ..config import ConfigError
 
 # What a run writes into its directory; an earlier run is recognised by any of them.
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",

@@ -32,17 +32,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-import bandit
-import checkpoint
-import corpus
-import distributed
-import metrics
-import pipeline
-import run_dir as run_dir_lib
-import sharding
-import status
-import throughput
-from config import TrainConfig
+from ..config import TrainConfig
+from ..data import bandit, corpus, pipeline
+from ..reports import metrics, throughput
+from . import checkpoint, distributed, run_dir as run_dir_lib, sharding, status
 
 MAX_IN_FLIGHT = 2  # steps dispatched and not yet finished, at most
 

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import sharding
-from config import TrainConfig
+from ..config import TrainConfig
+from . import sharding
 
 
 def lr_schedule(cfg: TrainConfig):
