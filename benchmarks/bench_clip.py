@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import clipjax  # noqa: E402
-from benchlib import clips, profiling, tables, timing, torch_baseline  # noqa: E402
+from benchlib import clips, profiling, record, tables, timing, torch_baseline  # noqa: E402
 from benchlib.cli import Log, add_run_flags, choices  # noqa: E402
 from benchlib.tables import num  # noqa: E402
 from benchlib.timing import COPY_BYTES, REGIMES  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv=None):
       log(note)
   impls = [i for i in IMPLS if i in args.impls and (i != "ffi" or andrea_impl)
            and (i != "torch" or torch)]
-  meta = tables.run_metadata(args)
+  meta = record.run_metadata(args)
   meta.update(andrea_impl_arg=andrea_impl, andrea_impl_note=andrea_note or None,
               torch=torch.__version__ if torch else None, torch_skipped=torch_note or None,
               max_norm_decay_when_clipping=timing.DECAY,
@@ -101,7 +101,7 @@ def main(argv=None):
                                            "noclip": 1 / timing.NORM_RATIO})
   log(f"{meta['device_kinds'][0]} ({meta['backend']}): jax {meta['jax']}, optax "
       f"{meta['optax']}, clipjax {meta['clipjax']}, torch {meta['torch']}")
-  out = args.out or tables.default_out_path("bench_clip", meta)
+  out = args.out or record.default_out_path("bench_clip", meta)
   results = {"meta": meta, "models": {}, "checks": [], "clip": []}
 
   copy_bytes = COPY_BYTES if not args.quick else 1 << 24
@@ -146,7 +146,7 @@ def run_case(case, regime, impls, fns, torch, bw, results, args, out):
   def add(table, row):
     results[table].append(row)
     clips.add_ratios(results["clip"])
-    tables.save_json(results, out, complete=False)
+    record.save_json(results, out, complete=False)
 
   for impl in impls:
     t0 = log.elapsed()
@@ -194,7 +194,7 @@ def finish(results, args, bw, out):
       f"{c['model']} {c['dtype']} {c['impl']} {c['what']} {c['value']:.1e}"
       for c in results["checks"]) + ")", flush=True)
   meta["profiler_gpu_lines"] = sorted(profiling.PROFILER_LINES)
-  tables.save_json(results, out, complete=True)
+  record.save_json(results, out, complete=True)
   log(f"wrote {out}")
   if not meta["passed"]:
     sys.exit(1)

@@ -172,7 +172,7 @@ def main(argv=None):
       print(f"round {k}, {n} leaves, {impl}: {rows[-1]['status']}, "
             f"{rows[-1]['compile_s']} s, {rows[-1]['peak_rss_gb']} GB", flush=True)
 
-  from benchlib import tables  # noqa: PLC0415 - imports jax, which the children must not share
+  from benchlib import record, tables  # noqa: PLC0415 - imports jax, which the children must not share
   print(tables.render(
       "COMPILE TIME of one jitted update, and the compiling process's peak resident memory",
       [("round", 5, lambda r: (r["round"], 0)), ("leaves", 7, lambda r: (r["leaves"], 0)),
@@ -192,7 +192,7 @@ def main(argv=None):
                 ("met", -4, lambda r: "yes" if r["met"] else "NO")],
       checks, "ratio: of compile times or of peak resident memory, the median over the "
               "rounds (each round's in `rounds`)"))
-  tables.save_rows("bench_compile", args, rows, goals=checks)
+  record.save_rows("bench_compile", args, rows, goals=checks)
 
 
 if __name__ == "__main__":

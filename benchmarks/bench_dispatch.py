@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import clipjax
-from benchlib import tables, timing
+from benchlib import record, tables, timing
 
 _F32, _I32, _BOOL = jnp.float32, jnp.int32, jnp.bool_  # the state's dtypes
 
@@ -122,7 +122,7 @@ def main(argv=None):
             f"idle; medians over {args.rounds} interleaved rounds, (lowest-highest round); "
             "paired: the median of the rounds' ratios to no state; us per array: what each "
             "state array added, from the paired ratio."))
-  tables.save_rows("bench_dispatch", args, rows)
+  record.save_rows("bench_dispatch", args, rows)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchlib import profiling, tables, trees
+from benchlib import profiling, record, tables, trees
 from clipjax import _jax_impl
 
 CALLS = 20
@@ -103,7 +103,7 @@ def main(argv=None):
        ("kernels", 8, lambda r: r["kernels"]), ("wall", 9, lambda r: r["wall_us"])],
       rows, "device: the GPU's busy time per call (profiler); kernels: per call; wall: "
             f"median over 5 rounds of {CALLS} calls."))
-  tables.save_rows("bench_pure_jax", args, rows)
+  record.save_rows("bench_pure_jax", args, rows)
 
 
 if __name__ == "__main__":

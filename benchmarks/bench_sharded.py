@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import clipjax
-from benchlib import sharded, tables, timing, train_step
+from benchlib import record, sharded, tables, timing, train_step
 from benchlib.cli import Log, add_run_flags, choices
 from benchlib.profiling import compile_summary
 from benchlib.tables import num
@@ -89,7 +89,7 @@ def main(argv=None):
              "XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu.")
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
   andrea_impl, andrea_note = pick_andrea_impl(args.andrea_impl, mesh)
-  meta = tables.run_metadata(args)
+  meta = record.run_metadata(args)
   first = jax.tree.leaves(gpt_grad_spec(args.model, args.dtypes[0]))
   meta.update(andrea_impl_arg=andrea_impl, andrea_impl_note=andrea_note or None,
               model=args.model, leaves=len(first), params=sum(math.prod(x.shape) for x in first),
@@ -100,7 +100,7 @@ def main(argv=None):
       f"{meta['optax']}, clipjax {meta['clipjax']}; custom-call rows impl=\"{andrea_impl}\"")
   log(f"{args.model}: {meta['params'] / 1e6:.2f}M params, {meta['leaves']} leaves"
       f"{counts_note(args.model, meta['params'], meta['leaves'])}")
-  out = args.out or tables.default_out_path("bench_sharded", meta)
+  out = args.out or record.default_out_path("bench_sharded", meta)
   results = {"meta": meta, "checks": [], "rows": [], "steps": []}
   bw = timing.copy_bandwidth(COPY_BYTES if not args.quick else 1 << 24, 10, args.repeats)
   meta["copy_bandwidth_GBps"] = bw / 1e9
@@ -113,7 +113,7 @@ def main(argv=None):
     check_dtype(args, layouts, dtype, andrea_impl, results)
   meta["passed"] = all(c["ok"] for c in results["checks"])
   log(f"correctness: {'PASS' if meta['passed'] else 'FAIL'}")
-  tables.save_json(results, out, complete=False)
+  record.save_json(results, out, complete=False)
   meta["skipped"] = []
   time_clips(args, layouts, andrea_impl, bw, results, out)
   time_steps(args, layouts, results, out)
@@ -184,7 +184,7 @@ def time_clips(args, layouts, andrea_impl, bw, results, out, pure_jax=False):
             f"{tables.collectives_text(hlo)})"
             + ("" if r["regime_ok"] else "  WARNING: the regime did not hold"))
         sharded.add_ratios(results["rows"])
-        tables.save_json(results, out, complete=False)
+        record.save_json(results, out, complete=False)
 
 
 def time_steps(args, layouts, results, out):
@@ -200,7 +200,7 @@ def time_steps(args, layouts, results, out):
       log(f"  {what:44s} in-jit {r['us_injit']:9.1f} us  device {num(r.get('us_device'), 9)}"
           f" us  peak {num(peak and peak / 1e6, 9)} MB/device  (compile {r['compile_s']} s)")
       train_step.add_ratios(results["steps"])
-      tables.save_json(results, out, complete=False)
+      record.save_json(results, out, complete=False)
 
 
 def finish(results, args, out):
@@ -221,7 +221,7 @@ def finish(results, args, out):
         "checks" + (": failed " + "; ".join(f"{c['layout']} {c['dtype']} {c['what']} = "
                                             f"{c['value']}" for c in failed) if failed else "")
         + ")", flush=True)
-  tables.save_json(results, out, complete=True)
+  record.save_json(results, out, complete=True)
   log(f"wrote {out}")
   if not meta["passed"]:
     sys.exit(1)

@@ -1,6 +1,13 @@
 """The full training step on one device: what the clip costs once it is chained ahead of an
 optimizer, against the memory floor, optax's clip and torch.
 
+Of the three training-step benchmarks this one alone takes the model out: the gradients
+are its inputs, shaped like the GPT's (benchlib.trees), so that it reads the optimizer's
+step on the GPU's busy time against the bytes it must move, for several optimizers.
+examples/benchmark.py times the example's whole step (forward and backward included) on
+the clocks a user reads; examples/experiments/bench_speed.py the example's training loop
+against that step, and the model's variants.
+
 For each model, dtype and regime (every step clips, or none does), one jitted step per call,
 params, optimizer state and gradients donated, the gradients fresh for every step and
 materialized inside it (as a backward pass would leave them), times
@@ -36,7 +43,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchlib import tables, timing, torch_baseline, train_step  # noqa: E402
+from benchlib import record, tables, timing, torch_baseline, train_step  # noqa: E402
 from benchlib.cli import Log, add_run_flags, choices  # noqa: E402
 from benchlib.tables import num  # noqa: E402
 from benchlib.timing import COPY_BYTES, REGIMES  # noqa: E402
@@ -78,11 +85,11 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   torch, torch_note = (None, "--no-torch") if args.no_torch else torch_baseline.import_torch()
-  meta = tables.run_metadata(args)
+  meta = record.run_metadata(args)
   meta.update(torch=torch.__version__ if torch else None, torch_skipped=torch_note or None,
               max_norm=MAX_NORM, floor_bytes_per_N=FLOOR_N,
               learning_rate=train_step.LEARNING_RATE)
-  out = args.out or tables.default_out_path("bench_step", meta)
+  out = args.out or record.default_out_path("bench_step", meta)
   bw = timing.copy_bandwidth(COPY_BYTES if not args.quick else 1 << 24, 10, args.repeats)
   meta["copy_bandwidth_GBps"] = bw / 1e9
   log(f"{meta['device_kinds'][0]} ({meta['backend']}): jax {meta['jax']}, optax "
@@ -112,7 +119,7 @@ def main(argv=None):
             results["rows"].append(dict(base, framework="jax", **r))
             log(f"  {regime:6s} {r['label']:40s} device {num(r.get('us_device'), 8)} us  "
                 f"in-jit {num(r['us_injit'], 8)} us  (compile {r['compile_s']} s)")
-            tables.save_json(results, out, complete=False)
+            record.save_json(results, out, complete=False)
           if torch and opt == "adamw":
             for variant, r in torch_baseline.graph_steps(
                 torch, model, dtype, regime, args, train_step.LEARNING_RATE, 0.1).items():
@@ -190,7 +197,7 @@ def finish(results, out):
         + ")", flush=True)
   if meta["skipped"]:
     print("skipped (over --max-seconds): " + "; ".join(meta["skipped"]))
-  tables.save_json(results, out, complete=True)
+  record.save_json(results, out, complete=True)
   log(f"wrote {out}")
   if not meta["passed"]:
     sys.exit(1)

@@ -2,6 +2,11 @@
 forward, backward, clip and AdamW, one jitted call per step, parameters and optimizer state
 donated, no metrics fetched.
 
+Of the three training-step benchmarks this one alone holds the clip to its targets in a
+whole step, on wall, dispatch, host and device time, beside optax's clip and torch's.
+benchmarks/bench_step.py reads the optimizer's step alone (gradients as inputs) against
+the memory floor; experiments/bench_speed.py the example's training loop against its step.
+
 For each model, batch and gradient dtype, the variants run in interleaved rounds (each round
 runs every variant for --steps steps, the order rotating from round to round, so that drift
 hits each alike), and each is read on four clocks:
@@ -75,7 +80,7 @@ if __name__ == "__main__":  # run as a script: the timing harness is the benchma
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "benchmarks"))
 
-from benchlib import profiling, state_split, tables, targets, timing  # noqa: E402
+from benchlib import profiling, record, state_split, tables, targets, timing  # noqa: E402
 from benchlib.cli import Log, choices  # noqa: E402
 from benchlib.torch_baseline import import_torch  # noqa: E402
 from benchlib.torch_gpt import TorchRunner  # noqa: E402
@@ -342,8 +347,8 @@ def main(argv=None):
   torch, why = import_torch() if torch_variants else (None, "")
   if torch is not None:  # before JAX starts its backend
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  meta = tables.run_metadata(args)
-  out = args.out or tables.default_out_path("train_step", meta)
+  meta = record.run_metadata(args)
+  out = args.out or record.default_out_path("train_step", meta)
   skipped = dict.fromkeys(torch_variants, why) if torch is None else {}
   results = {"meta": meta, "rows": [], "targets": [], "skipped": skipped}
   for name, batch, dtype in args.cases:
@@ -351,7 +356,7 @@ def main(argv=None):
       log(f"time budget spent: skipping {name} batch {batch} {dtype}")
       continue
     results["rows"] += bench_case(name, batch, dtype, args, torch)
-    tables.save_json(results, out, complete=False)
+    record.save_json(results, out, complete=False)
     case_rows = [r for r in results["rows"] if (r["model"], r["batch"], r["dtype"]) ==
                  (name, batch, dtype)]
     print(table(case_rows), flush=True)
@@ -382,7 +387,7 @@ def main(argv=None):
     print(targets.verdicts_text(results["targets"]))
   for variant, why in results["skipped"].items():
     log(f"{variant} left out: {why}")
-  tables.save_json(results, out, complete=True)
+  record.save_json(results, out, complete=True)
   log(f"wrote {out}")
 
 

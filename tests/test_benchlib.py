@@ -2,11 +2,16 @@
 and the verdicts it gives, the variants that split a clip's cost, and the clips that
 bench_clip.py runs as passes of a loop."""
 
+import argparse
+import json
 import math
+import pathlib
+import re
 import time
 
+import numpy as np
 import pytest
-from benchlib import clips, state_split, targets, timing, trees
+from benchlib import clips, record, state_split, targets, timing, trees
 
 
 @pytest.mark.parametrize("drained", [False, True])
@@ -116,3 +121,19 @@ def test_clips_in_a_loop_are_the_clips_written_out(impl):
   for x, y in zip(jax.tree.leaves(written_out), jax.tree.leaves(looped)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6)
   assert all(float(trees.f32_norm(t)) < norm0 / timing.NORM_RATIO for t in looped)
+
+
+def test_a_record_holds_the_command_the_commit_the_devices_versions_and_numbers(tmp_path):
+  meta = record.run_metadata(argparse.Namespace(steps=3, out="x.json"), "python x.py --steps 3")
+  assert meta["command"] == "python x.py --steps 3" and meta["settings"] == {"steps": 3}
+  checkout = (pathlib.Path(record.REPOSITORY) / ".git").exists()
+  assert re.fullmatch(r"[0-9a-f]{40}(\+changes)?", meta["git_commit"]) if checkout else (
+      meta["git_commit"] is None)
+  assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", meta["date"])
+  assert meta["device_count"] >= 1 and meta["device_kinds"]
+  assert all(meta[k] for k in ("python", "jax", "jaxlib", "optax", "clipjax"))
+  path = tmp_path / "record.json"
+  record.save_json({"meta": meta, "rows": [{"us": np.float32(1.5), "n": np.int64(2)}]}, path,
+                   complete=False)
+  written = json.loads(path.read_text())
+  assert written["rows"] == [{"us": 1.5, "n": 2}] and written["meta"]["complete"] is False

@@ -16,14 +16,22 @@ from watched import run_watched
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# What every benchmark's JSON record holds beside its numbers (benchlib.record).
+RECORD = {"command", "date", "git_commit", "device_kinds", "python", "jax", "jaxlib", "optax",
+          "clipjax", "settings", "complete"}
+
+
 def run_quick(script, tmp_path, *args, **env):
   """Runs `script --quick` (a path from the repository's root); returns (its JSON, its
-  stdout)."""
+  stdout), the JSON checked to be a whole record of this command."""
   out = tmp_path / "out.json"
   run = run_watched([sys.executable, script, "--quick", "--out", str(out),
                      *args], cwd=ROOT, env=dict(os.environ, **env))
   assert run.returncode == 0, run.stdout[-12000:]
-  return json.loads(out.read_text()), run.stdout
+  results = json.loads(out.read_text())
+  assert RECORD <= set(results["meta"]), RECORD - set(results["meta"])
+  assert results["meta"]["command"].startswith(f"python {script} --quick --out {out}")
+  return results, run.stdout
 
 
 def find(rows, **keys):

@@ -1,23 +1,6 @@
-"""What a benchmark prints and writes: its tables, and its JSON file with the run's metadata
-(date, command, versions, settings)."""
+"""What a benchmark prints: fixed-width tables (record.py writes its JSON)."""
 
 from __future__ import annotations
-
-import datetime
-import json
-import os
-import platform
-import re
-import sys
-from importlib import metadata as md
-
-import jax
-import optax
-
-import clipjax
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "results")
 
 
 def num(x, width, digits=1):
@@ -126,57 +109,3 @@ def per_device_text(per_device):
 def mb(memory, key):
   value = (memory or {}).get(key)
   return None if value is None else value / 1e6
-
-
-# --- JSON ---------------------------------------------------------------------------------
-
-
-def run_metadata(args):
-  """What every results file records: date, command line, devices, versions, XLA_FLAGS and
-  every setting."""
-  devs = jax.devices()
-  return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": " ".join(["python"] + sys.argv),
-      "backend": jax.default_backend(), "platform": devs[0].platform,
-      "device_count": len(devs),
-      "device_kinds": sorted({getattr(d, "device_kind", str(d)) for d in devs}),
-      "jax": jax.__version__, "jaxlib": package_version("jaxlib"), "optax": optax.__version__,
-      "clipjax": clipjax.__version__, "clipjax_ffi_platforms": list(clipjax.ffi_platforms()),
-      "python": platform.python_version(), "machine": platform.machine(),
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-      "settings": {k: v for k, v in vars(args).items() if k != "out"},
-  }
-
-
-def package_version(name):
-  try:
-    return md.version(name)
-  except md.PackageNotFoundError:
-    return None
-
-
-def default_out_path(script, meta):
-  """benchmarks/results/<script>-<date>-<device kind>[-xN].json (the folder is not tracked)."""
-  kind = re.sub(r"[^a-z0-9]+", "-", meta["device_kinds"][0].lower()).strip("-")
-  count = f"-x{meta['device_count']}" if meta["device_count"] > 1 else ""
-  return os.path.join(RESULTS_DIR, f"{script}-{meta['date'][:10]}-{kind}{count}.json")
-
-
-def save_rows(script, args, rows, **extra):
-  """Writes a finished run's results ({"meta", "rows", **extra}) to --out or the default
-  path of `script`, and says where."""
-  results = {"meta": run_metadata(args), "rows": rows, **extra}
-  out = args.out or default_out_path(script, results["meta"])
-  save_json(results, out, complete=True)
-  print(f"wrote {out}")
-  return out
-
-
-def save_json(results, path, complete):
-  """Writes the results; `complete` false while a run is still going, so that a run stopped
-  from outside leaves what it measured."""
-  results["meta"]["complete"] = complete
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(results, f, indent=1)

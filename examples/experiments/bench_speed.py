@@ -1,5 +1,10 @@
 """The example's speed: its training loop against the bare step, and the step's variants.
 
+Of the three training-step benchmarks this one alone runs the example's own loop (its
+batches, metrics and logging) and the model's variants (attention, dtype, remat, batch):
+tokens per second and MFU. examples/benchmark.py compares the clips in one step;
+benchmarks/bench_step.py the optimizer's step against the memory floor.
+
 Two measurements on the visible devices, printed as tables and written to OUT_DIR
 (results.json, report.md):
 
@@ -29,19 +34,23 @@ One H200, about 5 minutes (the default corpus's tokenizer is trained first if
 import argparse
 import glob
 import os
-import sys
+import shlex
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-if __name__ == "__main__":  # run as a script: the example's package is one folder up
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # run as a script: the example's package is one folder up, the
+  # benchmarks' record writer beside the example
+  EXAMPLES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path[:0] = [EXAMPLES, os.path.join(os.path.dirname(EXAMPLES), "benchmarks")]
 
 import exp_common  # noqa: E402
+from benchlib import record  # noqa: E402
 from gpt import config  # noqa: E402
 from gpt.data import pipeline  # noqa: E402
 from gpt.reports import throughput  # noqa: E402
@@ -248,9 +257,9 @@ def kernel_times(bare: BareStep, count: int, top: int = 15) -> list[dict] | None
 
 
 def report(results: dict) -> str:
-  fmt, env = exp_common.fmt, results["environment"]
-  lines = [f"`{env['command']}` on {len(jax.devices())} x {env['device']}, jax "
-           f"{env['jax']}, {env['date']}", ""]
+  fmt, meta = exp_common.fmt, results["meta"]
+  lines = [f"`{meta['command']}` on {meta['device_count']} x {meta['device_kinds'][0]}, jax "
+           f"{meta['jax']}, {meta['date']}", ""]
   if (lp := results.get("loop_against_step")) is not None:
     lines += [f"Loop against step: {lp['config']}, {lp['batch_size']} x "
               f"{lp['context_length']}, {lp['dtype']}, attention {lp['attention']}, "
@@ -282,18 +291,27 @@ def _pct(x) -> str:
   return "n/a" if x is None else f"{x:.1%}"
 
 
+def write(out_dir: str, results: dict, markdown: str, complete: bool) -> None:
+  """OUT_DIR/results.json (the benchmarks' record) and OUT_DIR/report.md."""
+  record.save_json(results, os.path.join(out_dir, "results.json"), complete)
+  with open(os.path.join(out_dir, "report.md"), "w") as f:
+    f.write(markdown)
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  results = {"environment": exp_common.environment("bench_speed.py", argv),
+  command = shlex.join(["python", "examples/experiments/bench_speed.py",
+                        *(sys.argv[1:] if argv is None else argv)])
+  results = {"meta": record.run_metadata(args, command),
              "flops_formula": "6 N + 12 * layers * d_model * context (throughput.py)",
              "peak_flops_per_s": throughput.peak_flops(jax.devices())}
   if not args.skip_loop:
     results["loop_against_step"] = loop_against_step(args)
-    exp_common.write_outputs(args.out_dir, results, "")  # kept should the variants not end
+    write(args.out_dir, results, "", complete=False)  # kept should the variants not end
   results["variants"], results["kernels"] = step_variants(args)
   markdown = report(results)
   print(markdown)
-  exp_common.write_outputs(args.out_dir, results, markdown)
+  write(args.out_dir, results, markdown, complete=True)
   return results
 
 

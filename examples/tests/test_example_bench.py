@@ -34,5 +34,8 @@ def test_the_benchmark_times_the_loop_against_its_step_and_the_variants(tmp_path
     assert len(rows[name]["round_seconds"]) == 2
   assert rows["dtype=float32,remat=dots"]["remat"] == "dots"
   assert results["kernels"] is None  # no GPU to trace
-  assert json.loads((out / "results.json").read_text())["variants"][0]["variant"]
+  written = json.loads((out / "results.json").read_text())
+  assert written["variants"][0]["variant"] and written["meta"]["complete"]
+  assert written["meta"]["command"].startswith("python examples/experiments/bench_speed.py")
+  assert written["meta"]["git_commit"] and written["meta"]["clipjax"]
   assert "The loop runs at" in (out / "report.md").read_text()
