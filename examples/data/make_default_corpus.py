@@ -1,7 +1,8 @@
 """How the default corpus (this directory's *.jsonl.xz) was made; not run by the example.
 
 The example trains on the three files this script wrote once, which ship with it: the
-same bytes on every machine and every Python (`default_corpus.py` checks their SHA-256).
+same bytes on every machine and every Python (`gpt/data/default_corpus.py` checks their
+SHA-256).
 Run again, it reads the Python that runs it, and only CPython 3.11.7 with the packages
 named in README.md gives those bytes back. A new corpus gets a new version directory.
 
