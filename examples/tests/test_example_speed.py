@@ -175,7 +175,7 @@ def test_the_embeddings_gradients_are_summed_in_float32():
     assert x_BxLxD.dtype == jnp.bfloat16
     return jnp.sum(x_BxLxD.astype(jnp.float32) * g_BxLxD.astype(jnp.float32))
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   g = np.asarray(g_BxLxD, np.float64)
   token_grad = np.asarray(grads["token_embed"]["embedding"][...])
   np.testing.assert_allclose(token_grad[7], g.sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)
