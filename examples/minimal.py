@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 MAX_NORM = 1.0
-LEARNING_RATE = 1e-2
+LEARNING_RATE = 2e-2
 FEATURES, HIDDEN = 8, 32
 
 
@@ -61,7 +61,7 @@ def make_step(graphdef, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def train(steps=80, seed=0, log_every=10, log=print):
+def train(steps=40, seed=0, log_every=10, log=print):
   """Trains for `steps` steps; returns one record per step: the loss, and the clip's
   global norm (before clipping) and whether it clipped."""
   graphdef, params = nnx.split(MLP(nnx.Rngs(seed)), nnx.Param)

@@ -26,5 +26,5 @@ def test_the_minimal_example_clips_the_first_steps_then_passes(capsys):
   assert records[-1]["loss"] < records[0]["loss"] / 20
 
   assert printed[0].startswith("step   1  loss") and printed[0].endswith("clipped")
-  assert printed[-2].startswith("step  80  loss") and printed[-2].endswith("passed")
-  assert printed[-1] == f"{clipped.sum()} of 80 steps clipped to max_norm 1.0"
+  assert printed[-2].startswith("step  40  loss") and printed[-2].endswith("passed")
+  assert printed[-1] == f"{clipped.sum()} of 40 steps clipped to max_norm 1.0"
