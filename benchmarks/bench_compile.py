@@ -172,7 +172,8 @@ def main(argv=None):
       print(f"round {k}, {n} leaves, {impl}: {rows[-1]['status']}, "
             f"{rows[-1]['compile_s']} s, {rows[-1]['peak_rss_gb']} GB", flush=True)
 
-  from benchlib import record, tables  # noqa: PLC0415 - imports jax, which the children must not share
+  # benchlib imports jax, which the children must not share
+  from benchlib import record, tables  # noqa: PLC0415
   print(tables.render(
       "COMPILE TIME of one jitted update, and the compiling process's peak resident memory",
       [("round", 5, lambda r: (r["round"], 0)), ("leaves", 7, lambda r: (r["leaves"], 0)),

@@ -80,14 +80,14 @@ def test_target_verdicts_pair_each_round_with_its_peer():
 
 
 def test_the_state_split_holds_the_clips_state_or_its_updates_and_not_both():
-  """examples/benchmark.py's two halves of the clip: one carries arrays like the clip state and
-  leaves the updates alone, the other clips with no state carried."""
+  """examples/benchmark.py's two halves of the clip: one carries arrays like the clip state
+  and leaves the updates alone, the other clips with no state carried."""
   import jax
   import jax.numpy as jnp
   import clipjax
   grads = {"w": jnp.full((3, 4), 2.0), "b": jnp.arange(4.0)}
   clip = clipjax.andrea_clip(1.0)
-  want_updates, want_state = clip.update(grads, clip.init(grads))
+  want_updates, want_state = jax.jit(clip.update)(grads, clip.init(grads))
 
   carried = state_split.carried_like_clip(1.0)
   state = carried.init(grads)
