@@ -31,9 +31,8 @@ wall within 2% of adamw alone, no slower than optax's chain, host within 5% of a
 each on the paired ratio. A verdict reads the 95% interval of that ratio's median
 (benchlib.timing.median_interval): "met" where all of it is within the bound, "not met"
 where none of it is, "cannot tell" where the rounds cannot resolve it (more rounds, or more
-steps a round, narrow the interval: host-bound, 20 steps a round rather than 5 took it from
-about 5 points to 1-3 on an H200, docs/wall_clock.md). The control is read against adamw
-alone too, as a measure of what the rounds resolve.
+steps a round, narrow the interval; docs/wall_clock.md shows by how much). The control is
+read against adamw alone too, as a measure of what the rounds resolve.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
 parameters, and so the gradients and AdamW's moments, in bfloat16.

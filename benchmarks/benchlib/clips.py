@@ -27,9 +27,9 @@ LABELS = {"ffi": "andrea_clip", "jax": "andrea_clip(jax)", "optax": "optax", "to
 # is measured the same way and reported, not checked: on bf16 leaves it sums in bf16.
 UPDATE_RTOL = {"f32": 1e-6, "bf16": 2.0**-7}
 # K, the clips per in-jit call, is what moves CALL_BYTES (3N bytes per clip clipping, N not),
-# at least the K given and at most MAX_REPS[impl]: about 12 ms of GPU work at an H200's
-# bandwidth, well above the host's dispatch of a call of hundreds of donated arrays (up to
-# 6.5 ms). At most UNROLL[impl] clips are written out (compile time grows faster than that);
+# at least the K given and at most MAX_REPS[impl]: enough GPU work that the host's dispatch
+# of a call of hundreds of donated arrays hides behind it (bench_dispatch.py measures that
+# dispatch). At most UNROLL[impl] clips are written out (compile time grows faster than that);
 # a larger K runs them as passes of a loop, K = passes x written out.
 CALL_BYTES = 50e9
 MAX_REPS = {"ffi": 2400, "optax": 128, "jax": 48}

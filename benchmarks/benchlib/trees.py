@@ -75,8 +75,8 @@ def random_tree_maker(spec, shardings=None):
   """jit(key, scale) -> a tree shaped as `spec` of standard normals times `scale`, placed as
   `shardings` says (a tree of shardings, or None: the default device).
 
-  One random vector cut into the leaves: one random-number op to compile. One op per leaf
-  (197 of them for gpt120m) took XLA about 100 s to compile on an H200.
+  One random vector cut into the leaves: one random-number op to compile, where one op per
+  leaf (197 of them for gpt120m) would take XLA minutes.
   """
   leaves, treedef = jax.tree.flatten(spec)
   sizes = [math.prod(x.shape) for x in leaves]

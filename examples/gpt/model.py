@@ -54,8 +54,8 @@ REMAT_POLICIES = {"block": None,
 assert REMAT_CHOICES == ("none", *REMAT_POLICIES)  # the flag's choices (config.py)
 
 # The LM head's matmul in training runs on the vocabulary rounded up to a multiple of this.
-# cuBLAS's tiles want aligned sizes: 8,449 columns padded to 8,576 made andrea-120m's
-# bfloat16 step 6% faster on an H200 (docs/speed.md).
+# cuBLAS's tiles want aligned sizes: andrea-120m's 8,449 columns padded to 8,576 make its
+# bfloat16 step faster on a GPU (measured with experiments/bench_speed.py, docs/speed.md).
 VOCAB_ALIGN = 128
 
 # Architectures only; context length, vocab, dtype, attention and remat are set by the
@@ -132,9 +132,9 @@ class GPT(nnx.Module):
     embed_init = nnx.initializers.normal(0.02)
     # The lookups are float32, cast to the computation dtype after the sum (`embed`), so
     # that the tables' gradients are summed in float32. Cast before the lookup, the token
-    # table's gradient is a scatter-add of bfloat16 rows: on real text, whose tokens
-    # repeat, XLA's scatter took 5.1 ms of andrea-120m's 31.0 ms step on an H200; summed
-    # in float32 the step took 27.2 ms (docs/speed.md).
+    # table's gradient is a scatter-add of bfloat16 rows, which on real text, whose tokens
+    # repeat, is slow on a GPU and inexact; summed in float32 the step is faster
+    # (measured with experiments/bench_speed.py, docs/speed.md).
     self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embed_init,
                                  rngs=rngs)
     self.pos_embed = nnx.Embed(cfg.context_length, cfg.d_model, embedding_init=embed_init,
