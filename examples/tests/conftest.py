@@ -25,9 +25,11 @@ def cache_dir(tmp_path_factory):
 # JAX's persistent compilation cache, for this session's tests and their subprocesses: the
 # tests train the same tiny step many times, and each fresh jit of it would compile anew.
 # A size limit makes JAX lock the cache while it reads or writes an entry, since pytest-xdist's
-# workers share it.
+# workers share it. Compiles shorter than a quarter second (single ops run eagerly, small
+# functions: thousands in a session) are quicker to redo than to write and lock; the
+# training step's compile is several times longer.
 _COMPILE_CACHE = {"jax_compilation_cache_dir": None,
-                  "jax_persistent_cache_min_compile_time_secs": 0.0,
+                  "jax_persistent_cache_min_compile_time_secs": 0.25,
                   "jax_persistent_cache_min_entry_size_bytes": 0,
                   "jax_compilation_cache_max_size": 8 << 30}
 
