@@ -36,7 +36,7 @@ class TrainConfig:
   peak_lr: float | None = None
   warmup_steps: int | None = None
   weight_decay: float | None = None
-  max_norm: float | None = None  # <= 0: no clipping
+  max_norm: float | None = None  # 0: no clipping
   checkpoint_every: int | None = None
   end_lr_ratio: float = 0.1  # the cosine decay ends at peak_lr * end_lr_ratio
   clip_impl: str = "auto"
@@ -156,7 +156,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
   for field in positive:
     if not getattr(cfg, field) > 0:
       raise ConfigError(f"{_flag(field)} must be > 0, got {getattr(cfg, field)}")
-  for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
+  for field in ("warmup_steps", "weight_decay", "max_norm", "num_samples",
+                "sample_temperature"):
     if getattr(cfg, field) < 0:
       raise ConfigError(f"{_flag(field)} must be >= 0, got {getattr(cfg, field)}")
   if not 0 <= cfg.end_lr_ratio <= 1:
@@ -242,7 +243,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--end-lr-ratio", type=float, default=d.end_lr_ratio,
                  help="the cosine decay ends at peak-lr * this (default: %(default)s)")
   p.add_argument("--weight-decay", type=float, help="* AdamW's; 0 is plain Adam")
-  p.add_argument("--max-norm", type=float, help="* andrea_clip's; 0 turns clipping off")
+  p.add_argument("--max-norm", type=float,
+                 help="* andrea_clip's, >= 0; 0 turns clipping off")
   p.add_argument("--clip-impl", default=d.clip_impl, choices=CHOICES["clip_impl"],
                  help="andrea_clip implementation (default: %(default)s)")
   p.add_argument("--clip-mode", default=d.clip_mode, choices=CHOICES["clip_mode"],
