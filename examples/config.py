@@ -9,6 +9,7 @@ CPU. "auto" settings (dtype, attention) are resolved for the platform the run is
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
@@ -104,6 +105,13 @@ RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "pe
                 "spike", "dtype", "vocab_size", "seed", "bandit_config")
 
 
+# Settings of one start of a run, not of the run: a --resume takes none of them from the
+# run's config.json (a run stopped by --stop-after-step goes on to the end).
+PER_START = ("out_dir", "resume", "overwrite", "stop_after_step", "time_limit_s",
+             "coordinator", "num_processes", "process_id")
+CONFIG_FILE = "config.json"  # every setting of a run, in its directory
+
+
 class ConfigError(ValueError):
   """A setting that cannot be used; the message names the flag."""
 
@@ -118,7 +126,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
                         f"choose one of {', '.join(choices)}")
   filled = {**PRESETS[cfg.config], **RECIPES[cfg.recipe]}
   filled = {k: v for k, v in filled.items() if getattr(cfg, k) is None}
-  filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
+  filled["out_dir"] = out_dir_of(cfg)
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
   _check_numbers(cfg)
@@ -126,6 +134,46 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _check_directory(f"--{field.replace('_', '-')}", getattr(cfg, field))
   corpus.check_source_flags(cfg.sources)
   return cfg
+
+
+def out_dir_of(cfg: TrainConfig) -> str:
+  """--out-dir, by default runs/CONFIG-RECIPE."""
+  return cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
+
+
+def resumed(cfg: TrainConfig, given: tuple[str, ...]) -> TrainConfig:
+  """A --resume's settings: the run's own, from the config.json in its directory, where
+  the command line does not give them (`given`: the TrainConfig fields it gives, and
+  bandit_eta, bandit_floor, bandit_smoothing). PER_START settings are this start's. A
+  given setting that changes the run's losses is refused once the checkpoint is read
+  (RUN_IDENTITY). Without a config.json (a run killed before it wrote one) the flags
+  stand alone."""
+  path = os.path.join(out_dir_of(cfg), CONFIG_FILE)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    return cfg
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"--resume: cannot read the run's settings from {path} "
+                      f"({type(e).__name__}: {e})") from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f"--resume: {path} holds no settings (a JSON object)")
+  taken = {field.name: saved[field.name] for field in dataclasses.fields(TrainConfig)
+           if field.name in saved and field.name not in given + PER_START}
+  for field in ("sources", "prompts"):  # JSON has lists; the settings are tuples
+    if isinstance(taken.get(field), list):
+      taken[field] = tuple(taken[field])
+  if isinstance(taken.get("bandit_config"), dict):
+    taken["bandit_config"] = bandit.BanditConfig(**{
+        **taken["bandit_config"],
+        **{k: v for k, v in dataclasses.asdict(cfg.bandit_config).items()
+           if f"bandit_{k}" in given}})
+  try:
+    return dataclasses.replace(cfg, **taken)
+  except TypeError as e:
+    raise ConfigError(f"--resume: {path} holds settings this example does not know: "
+                      f"{e}") from None
 
 
 def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
@@ -332,9 +380,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="no progress bar")
   args = vars(p.parse_args(argv))
+  given = _given_flags(p, argv, args)
   args["sources"] = tuple(args.pop("source"))
   args["prompts"] = tuple(args.pop("prompt"))
   args["bandit_config"] = bandit.BanditConfig(
       eta=args.pop("bandit_eta"), floor=args.pop("bandit_floor"),
       smoothing=args.pop("bandit_smoothing"))
-  return p, TrainConfig(**args)
+  cfg = TrainConfig(**args)
+  if cfg.resume:
+    try:
+      cfg = resumed(cfg, given)
+    except ConfigError as e:
+      p.exit(2, f"{p.prog}: error: {e}\n")
+  return p, cfg
+
+
+def _given_flags(p: argparse.ArgumentParser, argv: list[str] | None, args: dict) -> tuple:
+  """The settings that `argv` gives, as TrainConfig fields ("sources", "prompts") and
+  bandit_eta, bandit_floor, bandit_smoothing: `args` parsed again, each default replaced
+  by a marker (a repeatable flag is given where its list is not empty)."""
+  defaults = {dest: p.get_default(dest) for dest in args}
+  not_given = object()
+  p.set_defaults(**{dest: not_given for dest, value in defaults.items() if value != []})
+  try:
+    again = vars(p.parse_args(argv))
+  finally:
+    p.set_defaults(**defaults)
+  return tuple({"source": "sources", "prompt": "prompts"}.get(dest, dest)
+               for dest, value in again.items() if value is not not_given and value != [])

@@ -18,7 +18,7 @@
   train_step.py      the optimizer and the jitted, donated step
   sharding.py        the device mesh (--mesh) and where each array lives on it
   distributed.py     a run of several processes: launch, process 0's writes
-  run_dir.py         the run directory: an earlier run refused, or set aside until replaced
+  run_dir.py         the run directory: its lock, an earlier run refused or set aside
   loop.py            the training run: `loop.train(TrainConfig(...))` from Python
   steps.py           the steps in order: the jitted step, metrics in groups, checkpoints
   throughput.py      FLOPs per token, the devices' peak, MFU
@@ -32,6 +32,7 @@ import sys
 
 import config
 import corpus
+import status
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,15 +43,22 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.check(cfg)
   except (config.ConfigError, corpus.SourceError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
-  import distributed  # noqa: PLC0415 - these import jax
-  import loop  # noqa: PLC0415
-  with distributed.exit_on_error(), distributed.handle_sigterm():
+  try:
+    import distributed  # noqa: PLC0415 - these import jax
+    import loop  # noqa: PLC0415
+  except KeyboardInterrupt:  # before the run began: nothing to save
+    parser.exit(status.INTERRUPTED_EXIT_STATUS,
+                "train_gpt.py: Ctrl-C: stopped before the run began\n")
+  with distributed.exit_on_error(), distributed.handle_stop_signals():
     try:
       loop.train(cfg)
     except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
       parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except (loop.TrainingDiverged, loop.Stopped) as e:
+    except loop.TrainingDiverged as e:
       sys.exit(f"train_gpt.py: {e}")
+    except loop.Stopped as e:
+      print(f"train_gpt.py: {e}", file=sys.stderr, flush=True)
+      sys.exit(distributed.stop_exit_status())
 
 
 if __name__ == "__main__":

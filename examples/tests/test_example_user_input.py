@@ -1,8 +1,10 @@
-"""What the user gives, read as they mean it: a --max-norm below 0 refused at once, and GNU
-info files read as text while images, archives and libraries are still skipped."""
+"""What the user gives, read as they mean it: a --max-norm below 0 refused at once, GNU info
+files read as text while images, archives and libraries are still skipped, and an
+--out-dir where no directory can be made refused in one line."""
 
 import gzip
 import io
+import os
 import struct
 import tarfile
 import zlib
@@ -11,6 +13,7 @@ import pytest
 
 import config
 import corpus
+import train_gpt
 
 
 # --- --max-norm ------------------------------------------------------------------------
@@ -114,3 +117,22 @@ def test_a_source_of_info_files_keeps_them_and_skips_the_binaries(tmp_path):
   assert docs == [part, info_index_file().decode()]  # in sorted order
   assert sorted(w.split("skipping ")[1].split(":")[0] for w in warnings) == sorted(
       str(tmp_path / name) for name in BINARY)
+
+
+# --- An --out-dir where no directory can be made ----------------------------------------
+
+
+@pytest.mark.parametrize("out_dir", ["/proc/x", "/sys/x"])
+def test_an_out_dir_on_a_filesystem_that_refuses_directories_is_one_line(
+    out_dir, tiny, tmp_path, capsys):
+  if not os.path.isdir(os.path.dirname(out_dir)):
+    pytest.skip(f"{os.path.dirname(out_dir)} is not mounted here")
+  cfg = tiny(tmp_path)
+  with pytest.raises(SystemExit) as exit_info:
+    train_gpt.main(["--config", "tiny", "--steps", "2", "--vocab-size", "512",
+                    "--max-source-mb", "0.05", "--cache-dir", cfg.cache_dir, "--out-dir",
+                    out_dir, "--no-progress"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f": error: --out-dir {out_dir}: " in err, err
+  assert not os.path.exists(out_dir)
