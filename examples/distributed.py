@@ -117,6 +117,7 @@ def barrier(name: str) -> None:
 
 # The stop signals, by the names the closing line gives them.
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+INTERRUPTED_EXIT_STATUS = 130  # a shell's exit status for a program that Ctrl-C ended
 _stop_signals: list[int] = []  # this process's, in order of arrival (handle_stop_signals)
 
 
@@ -138,7 +139,7 @@ def stop_cause() -> str:
 def stop_exit_status() -> int:
   """The exit status of a run that a stop signal ended: a shell's for Ctrl-C, else 1."""
   interrupted = _stop_signals[:1] == [signal.SIGINT]
-  return status.INTERRUPTED_EXIT_STATUS if interrupted else 1
+  return INTERRUPTED_EXIT_STATUS if interrupted else 1
 
 
 @contextlib.contextmanager
@@ -180,9 +181,9 @@ def _watch_stop_signals(read_fd: int) -> None:
       if signum not in STOP_SIGNALS:
         continue
       if signum == signal.SIGINT and signal.SIGINT in _stop_signals:
-        os.write(2, b"second Ctrl-C: exiting at once; the next start in the run's "
-                    b"directory continues from its last checkpoint\n")
-        os._exit(status.INTERRUPTED_EXIT_STATUS)
+        os.write(2, b"second Ctrl-C: exiting at once; --resume continues from the last "
+                    b"checkpoint saved\n")
+        os._exit(INTERRUPTED_EXIT_STATUS)
       _stop_signals.append(signum)
       if signum == signal.SIGINT and jax.distributed.is_initialized():
         os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier, which stops every process

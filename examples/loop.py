@@ -111,7 +111,7 @@ def start(cfg: TrainConfig) -> Run:
     opt_state = init_opt_state(tx, params, mesh)
     train_step = train_step_lib.train_step_for(graphdef, cfg, len(corpus.SOURCE_NAMES),
                                                mesh, params, opt_state)
-    run_dir = open_run_dir(cfg, run_dir.lock) or run_dir
+    run_dir = open_run_dir(cfg, run_dir.lock) or run_dir  # None on the other processes
     return _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state,
                          train_step)
   except BaseException:

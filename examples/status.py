@@ -12,7 +12,6 @@ import contextlib
 import time
 from typing import Callable
 
-INTERRUPTED_EXIT_STATUS = 130  # a shell's exit status for a program that Ctrl-C ended
 
 _speaking = True
 

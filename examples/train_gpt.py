@@ -32,7 +32,6 @@ import sys
 
 import config
 import corpus
-import status
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,12 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config.check(cfg)
   except (config.ConfigError, corpus.SourceError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
-  try:
-    import distributed  # noqa: PLC0415 - these import jax
-    import loop  # noqa: PLC0415
-  except KeyboardInterrupt:  # before the run began: nothing to save
-    parser.exit(status.INTERRUPTED_EXIT_STATUS,
-                "train_gpt.py: Ctrl-C: stopped before the run began\n")
+  import distributed  # noqa: PLC0415 - these import jax
+  import loop  # noqa: PLC0415
   with distributed.exit_on_error(), distributed.handle_stop_signals():
     try:
       loop.train(cfg)
