@@ -4,7 +4,8 @@
   --resume) is refused in one line naming the live process, and the run goes on;
 - Ctrl-C stops a run as SIGTERM does: the step finishes, a checkpoint is saved (or the run
   an --overwrite replaced is put back), one line, exit status 130; a second Ctrl-C exits
-  at once, and the next start continues from the last checkpoint;
+  at once, and the next start continues from the last checkpoint; in a run of two
+  processes a Ctrl-C to one stops both after the same step (slow);
 - a lock left by a killed process never blocks;
 - `--resume --out-dir X` alone takes the run's settings from X/config.json;
 - --stop-after-step ends with a line saying that --resume continues the run.
@@ -29,6 +30,7 @@ import config
 import loop
 import metrics
 import run_dir as run_dir_lib
+from examples.tests import test_example_processes as processes
 from examples.tests.conftest import EXAMPLES
 from examples.tests.test_example_keeps_runs import contents
 
@@ -216,3 +218,22 @@ def test_a_resume_takes_the_runs_settings_from_its_directory(tmp_path, cache_dir
   assert {k for k in first if first[k] != now[k]} == {
       "resume", "log_every", "stop_after_step"}
   assert (now["log_every"], now["stop_after_step"], now["seed"]) == (2, None, 3)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_one_of_two_processes_stops_both_after_one_step(tmp_path, cache_dir):
+  """A Ctrl-C to one process of two is handed to JAX's preemption notifier as SIGTERM:
+  both save the same step and stop, the interrupted one with status 130."""
+  out = tmp_path / "run"
+  procs = processes.start(2, out, cache_dir, "--steps", "100000", "--checkpoint-every",
+                          "100000")
+  processes._wait_for_steps(out, 3, procs)
+  procs[-1].send_signal(signal.SIGINT)
+  outputs = processes._outputs_within(procs, processes.KILL_BOUND_S)
+  stopped = [re.search(r"(SIGTERM|Ctrl-C): stopped after step (\d+) of 100000, saved in",
+                       output) for output in outputs]
+  assert all(stopped), outputs[-1][-4000:]
+  assert [m[1] for m in stopped] == ["SIGTERM", "Ctrl-C"]
+  assert len({m[2] for m in stopped}) == 1
+  assert [p.returncode for p in procs] == [1, 130]
+  assert os.listdir(out / "checkpoints") == [stopped[0][2]]
