@@ -347,7 +347,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--cache-dir", help="tokenizer cache (default: ~/.cache/clipjax)")
   p.add_argument("--checkpoint-every", type=int, help="* steps between checkpoints")
   p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in --out-dir")
+                 help="continue from the latest checkpoint in --out-dir, with the run's "
+                      "settings (its config.json) where no flag gives them")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an earlier run in --out-dir (without --resume or this, a "
                       "directory that holds a run is refused)")

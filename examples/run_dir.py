@@ -83,6 +83,9 @@ def lock_run_dir(out_dir: str) -> RunLock:
       os.close(fd)
       raise ConfigError(f"--out-dir {out_dir} belongs to a live run: {holder} is writing "
                         "it; wait for that run to end, or choose another --out-dir") from None
+    except OSError as e:  # a filesystem without locks
+      os.close(fd)
+      raise ConfigError(f"--out-dir {out_dir}: cannot lock {path} ({e.strerror})") from None
     if _is_file_at(fd, path):
       break
     os.close(fd)  # its holder released and removed it between our open and flock

@@ -14,6 +14,7 @@ Each case runs train_gpt.py as its own process on the CPU, with the tiny setting
 and compares the run directory's contents before and after where it must not change.
 """
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -30,6 +31,7 @@ import config
 import loop
 import metrics
 import run_dir as run_dir_lib
+import train_gpt
 from examples.tests import test_example_processes as processes
 from examples.tests.conftest import EXAMPLES
 from examples.tests.test_example_keeps_runs import contents
@@ -195,7 +197,7 @@ def test_one_process_holds_the_lock_until_it_releases_it(tmp_path):
     run_dir_lib.lock_run_dir(str(out)).release()
 
 
-def test_a_resume_takes_the_runs_settings_from_its_directory(tmp_path, cache_dir):
+def test_a_resume_takes_the_runs_settings_from_its_directory(tmp_path, cache_dir, capsys):
   out = tmp_path / "run"
   head = run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--seed", "3", "--out-dir",
              str(out), "--cache-dir", cache_dir, "--stop-after-step", "3")
@@ -205,19 +207,35 @@ def test_a_resume_takes_the_runs_settings_from_its_directory(tmp_path, cache_dir
       "--resume continues the run")
   first = json.loads((out / "config.json").read_text())
   before = contents(out)
-  refused = run("--resume", "--out-dir", str(out), "--context-length", "16")
-  assert refused.returncode == 2
-  assert last_line(refused.stdout).endswith(
-      "was made with other settings: context_length=32 (now 16)")
+  with pytest.raises(SystemExit) as refused:  # a flag that changes the losses
+    train_gpt.main(["--resume", "--out-dir", str(out), "--seed", "4"])
+  assert refused.value.code == 2
+  assert last_line(capsys.readouterr().err).endswith(
+      "was made with other settings: seed=3 (now 4)")
   assert contents(out) == before  # refused as before: nothing moved
-  rest = run("--resume", "--out-dir", str(out), "--log-every", "2")
+  rest = run("--resume", "--out-dir", str(out))
   assert rest.returncode == 0, rest.stdout[-4000:]
   assert "; resumed after step 3" in rest.stdout
   assert steps_logged(out) == 6 and (out / "summary.json").exists()
   now = json.loads((out / "config.json").read_text())
-  assert {k for k in first if first[k] != now[k]} == {
-      "resume", "log_every", "stop_after_step"}
-  assert (now["log_every"], now["stop_after_step"], now["seed"]) == (2, None, 3)
+  assert {k for k in first if first[k] != now[k]} == {"resume", "stop_after_step"}
+
+
+def test_a_resumes_flags_outside_the_step_apply_to_it(tmp_path, capsys):
+  saved = config.TrainConfig(config="tiny", steps=6, batch_size=8, context_length=32,
+                             log_every=1, num_samples=0, seed=3, sources=("gutenberg=a",),
+                             time_limit_s=60.0, stop_after_step=3, out_dir=str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(saved)))
+  resumed = config.parse_args(["--resume", "--out-dir", str(tmp_path), "--log-every", "10",
+                               "--num-samples", "2", "--bandit-eta", "2"])[1]
+  assert resumed == dataclasses.replace(
+      saved, resume=True, log_every=10, num_samples=2, time_limit_s=None,
+      stop_after_step=None, bandit_config=dataclasses.replace(saved.bandit_config, eta=2.0))
+  (tmp_path / "config.json").write_text("{")
+  with pytest.raises(SystemExit):
+    config.parse_args(["--resume", "--out-dir", str(tmp_path)])
+  assert f"error: --resume: cannot read the run's settings from {tmp_path}/config.json (" \
+      in capsys.readouterr().err
 
 
 @pytest.mark.slow
