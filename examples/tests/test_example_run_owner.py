@@ -114,12 +114,10 @@ def test_a_live_run_refuses_every_other_start_and_ctrl_c_stops_it(tmp_path, cach
 
 
 @pytest.fixture
-def finished(tmp_path, cache_dir):
+def finished(tmp_path, tiny):
   """(directory, contents) of a finished run of 4 steps."""
   out = tmp_path / "run"
-  done = run(*TINY, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(out),
-             "--cache-dir", cache_dir)
-  assert done.returncode == 0, done.stdout[-4000:]
+  loop.train(tiny(out, steps=4, checkpoint_every=2))
   return out, contents(out)
 
 
