@@ -25,13 +25,16 @@ def main(argv: list[str] | None = None) -> None:
   except (config.ConfigError, corpus.SourceError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
   from gpt.training import distributed, loop  # noqa: PLC0415 - these import jax
-  with distributed.exit_on_error(), distributed.handle_sigterm():
+  with distributed.exit_on_error(), distributed.handle_stop_signals():
     try:
       loop.train(cfg)
     except loop.USER_ERRORS as e:  # one line (argparse's own errors also print the usage)
       parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except (loop.TrainingDiverged, loop.Stopped) as e:
+    except loop.TrainingDiverged as e:
       sys.exit(f"train_gpt.py: {e}")
+    except loop.Stopped as e:
+      print(f"train_gpt.py: {e}", file=sys.stderr, flush=True)
+      sys.exit(distributed.stop_exit_status())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ CPU. "auto" settings (dtype, attention) are resolved for the platform the run is
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 
@@ -34,7 +35,7 @@ class TrainConfig:
   peak_lr: float | None = None
   warmup_steps: int | None = None
   weight_decay: float | None = None
-  max_norm: float | None = None  # <= 0: no clipping
+  max_norm: float | None = None  # 0: no clipping
   checkpoint_every: int | None = None
   end_lr_ratio: float = 0.1  # the cosine decay ends at peak_lr * end_lr_ratio
   clip_impl: str = "auto"
@@ -102,6 +103,13 @@ RUN_IDENTITY = ("config", "recipe", "steps", "batch_size", "context_length", "pe
                 "spike", "dtype", "vocab_size", "seed", "bandit_config")
 
 
+# Settings of one start of a run, not of the run: a --resume takes none of them from the
+# run's config.json (a run stopped by --stop-after-step goes on to the end).
+PER_START = ("out_dir", "resume", "overwrite", "stop_after_step", "time_limit_s",
+             "coordinator", "num_processes", "process_id")
+CONFIG_FILE = "config.json"  # every setting of a run, in its directory
+
+
 class ConfigError(ValueError):
   """A setting that cannot be used; the message names the flag."""
 
@@ -116,7 +124,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
                         f"choose one of {', '.join(choices)}")
   filled = {**PRESETS[cfg.config], **RECIPES[cfg.recipe]}
   filled = {k: v for k, v in filled.items() if getattr(cfg, k) is None}
-  filled["out_dir"] = cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
+  filled["out_dir"] = out_dir_of(cfg)
   filled["cache_dir"] = cfg.cache_dir or tokenizer_lib.default_cache_dir()
   cfg = dataclasses.replace(cfg, **filled)
   _check_numbers(cfg)
@@ -124,6 +132,46 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _check_directory(f"--{field.replace('_', '-')}", getattr(cfg, field))
   corpus.check_source_flags(cfg.sources)
   return cfg
+
+
+def out_dir_of(cfg: TrainConfig) -> str:
+  """--out-dir, by default runs/CONFIG-RECIPE."""
+  return cfg.out_dir or os.path.join("runs", f"{cfg.config}-{cfg.recipe}")
+
+
+def resumed(cfg: TrainConfig, given: tuple[str, ...]) -> TrainConfig:
+  """A --resume's settings: the run's own, from the config.json in its directory, where
+  the command line does not give them (`given`: the TrainConfig fields it gives, and
+  bandit_eta, bandit_floor, bandit_smoothing). PER_START settings are this start's. A
+  given setting that changes the run's losses is refused once the checkpoint is read
+  (RUN_IDENTITY). Without a config.json (a run killed before it wrote one) the flags
+  stand alone."""
+  path = os.path.join(out_dir_of(cfg), CONFIG_FILE)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    return cfg
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"--resume: cannot read the run's settings from {path} "
+                      f"({type(e).__name__}: {e})") from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f"--resume: {path} holds no settings (a JSON object)")
+  taken = {field.name: saved[field.name] for field in dataclasses.fields(TrainConfig)
+           if field.name in saved and field.name not in given + PER_START}
+  for field in ("sources", "prompts"):  # JSON has lists; the settings are tuples
+    if isinstance(taken.get(field), list):
+      taken[field] = tuple(taken[field])
+  if isinstance(taken.get("bandit_config"), dict):
+    taken["bandit_config"] = bandit.BanditConfig(**{
+        **taken["bandit_config"],
+        **{k: v for k, v in dataclasses.asdict(cfg.bandit_config).items()
+           if f"bandit_{k}" in given}})
+  try:
+    return dataclasses.replace(cfg, **taken)
+  except TypeError as e:
+    raise ConfigError(f"--resume: {path} holds settings this example does not know: "
+                      f"{e}") from None
 
 
 def resolve(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
@@ -154,7 +202,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
   for field in positive:
     if not getattr(cfg, field) > 0:
       raise ConfigError(f"{_flag(field)} must be > 0, got {getattr(cfg, field)}")
-  for field in ("warmup_steps", "weight_decay", "num_samples", "sample_temperature"):
+  for field in ("warmup_steps", "weight_decay", "max_norm", "num_samples",
+                "sample_temperature"):
     if getattr(cfg, field) < 0:
       raise ConfigError(f"{_flag(field)} must be >= 0, got {getattr(cfg, field)}")
   if not 0 <= cfg.end_lr_ratio <= 1:
@@ -240,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--end-lr-ratio", type=float, default=d.end_lr_ratio,
                  help="the cosine decay ends at peak-lr * this (default: %(default)s)")
   p.add_argument("--weight-decay", type=float, help="* AdamW's; 0 is plain Adam")
-  p.add_argument("--max-norm", type=float, help="* andrea_clip's; 0 turns clipping off")
+  p.add_argument("--max-norm", type=float,
+                 help="* andrea_clip's, >= 0; 0 turns clipping off")
   p.add_argument("--clip-impl", default=d.clip_impl, choices=CHOICES["clip_impl"],
                  help="andrea_clip implementation (default: %(default)s)")
   p.add_argument("--clip-mode", default=d.clip_mode, choices=CHOICES["clip_mode"],
@@ -295,7 +345,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--cache-dir", help="tokenizer cache (default: ~/.cache/clipjax)")
   p.add_argument("--checkpoint-every", type=int, help="* steps between checkpoints")
   p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in --out-dir")
+                 help="continue from the latest checkpoint in --out-dir, with the run's "
+                      "settings (its config.json) where no flag gives them")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an earlier run in --out-dir (without --resume or this, a "
                       "directory that holds a run is refused)")
@@ -328,9 +379,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="no progress bar")
   args = vars(p.parse_args(argv))
+  given = _given_flags(p, argv, args)
   args["sources"] = tuple(args.pop("source"))
   args["prompts"] = tuple(args.pop("prompt"))
   args["bandit_config"] = bandit.BanditConfig(
       eta=args.pop("bandit_eta"), floor=args.pop("bandit_floor"),
       smoothing=args.pop("bandit_smoothing"))
-  return p, TrainConfig(**args)
+  cfg = TrainConfig(**args)
+  if cfg.resume:
+    try:
+      cfg = resumed(cfg, given)
+    except ConfigError as e:
+      p.exit(2, f"{p.prog}: error: {e}\n")
+  return p, cfg
+
+
+def _given_flags(p: argparse.ArgumentParser, argv: list[str] | None, args: dict) -> tuple:
+  """The settings that `argv` gives, as TrainConfig fields ("sources", "prompts") and
+  bandit_eta, bandit_floor, bandit_smoothing: `args` parsed again, each default replaced
+  by a marker (a repeatable flag is given where its list is not empty)."""
+  defaults = {dest: p.get_default(dest) for dest in args}
+  not_given = object()
+  p.set_defaults(**{dest: not_given for dest, value in defaults.items() if value != []})
+  try:
+    again = vars(p.parse_args(argv))
+  finally:
+    p.set_defaults(**defaults)
+  return tuple({"source": "sources", "prompt": "prompts"}.get(dest, dest)
+               for dest, value in again.items() if value is not not_given and value != [])

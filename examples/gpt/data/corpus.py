@@ -13,8 +13,9 @@ meaning every file below it, or a glob; read in sorted order). Each file is
 - decompressed first if its name ends in .gz, .bz2 or .xz;
 - skipped, with one warning line naming it, if it is binary (more than MAX_BINARY_SHARE
   of its bytes are control bytes other than whitespace, NUL among them, or are not UTF-8),
-  holds no text, or does not decompress; text with a few such bytes (a GNU info manual's
-  node separators and odd NULs) is kept;
+  holds no text, or does not decompress; text with a few such bytes (odd NULs) is kept,
+  and a GNU info file's separators (INFO_SEPARATORS) count as text, so that the index
+  file of a split manual, made of little else, is read like its other files;
 - JSONL if its first non-blank line is a JSON object, whatever the file is called: one
   document per line, from `question` and `answer` fields or a `text` field, each a string
   (any other line stops the run, naming the file and line);
@@ -34,6 +35,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 from typing import Callable, Iterable, Iterator, Sequence
 
 from . import default_corpus
@@ -42,6 +44,10 @@ SOURCE_NAMES = ("repo-docs", "gutenberg", "hermes3-general")
 MAX_BINARY_SHARE = 0.01
 # C0 control bytes and DEL, less the whitespace that text uses (tab, LF, VT, FF, CR).
 _CONTROL_BYTES = bytes(b for b in [*range(32), 127] if b not in b"\t\n\v\f\r")
+# GNU info's separators: 0x1f alone on a line before each node and table ("\x1f\nFile:",
+# "\x1f\nTag Table:"), and 0x7f between a node and its offset in a tag table ("Node:
+# Top\x7f1234"). In an image, archive or library they are two of many control bytes.
+INFO_SEPARATORS = re.compile(rb"\x1f(?=\f?\r?\n)|\x7f(?=\d+\r?\n)")
 HELD_OUT_SHARE = 0.05
 PROMPT_CHARS = 64
 _DECOMPRESS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
@@ -140,7 +146,8 @@ def read_text(path: str) -> tuple[str | None, str | None]:
       data = _DECOMPRESS[suffix](data)
     except _DECOMPRESS_ERRORS as e:
       return None, f"does not decompress as {suffix} ({type(e).__name__}: {e})"
-  control = len(data) - len(data.translate(None, _CONTROL_BYTES))
+  text_like = INFO_SEPARATORS.sub(b"", data)
+  control = len(text_like) - len(text_like.translate(None, _CONTROL_BYTES))
   if control > MAX_BINARY_SHARE * len(data):
     return None, (f"binary ({control / len(data):.1%} of its bytes are control bytes, "
                   f"{data.count(0)} of them NUL)")

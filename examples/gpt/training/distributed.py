@@ -15,10 +15,12 @@ Every process then runs the same steps on one global mesh. Process 0 alone write
 run's files and prints; decisions that depend on something other than the replicated
 metrics (the wall clock) are process 0's, handed to the others (`agree`).
 
-SIGTERM (a scheduler's preemption or time limit, `scancel`, `kill`) stops the run after a
-checkpoint, with nothing lost (`stop_requested`): on one process at the next step; on
-several, JAX's preemption notifier catches it on any of them, and every process stops
-after the same step, the one JAX's preemption sync point names.
+SIGTERM (a scheduler's preemption or time limit, `scancel`, `kill`) and SIGINT (Ctrl-C)
+stop the run after a checkpoint, with nothing lost (`stop_requested`): on one process at
+the next step; on several, JAX's preemption notifier catches SIGTERM on any of them (a
+Ctrl-C is handed to it as one), and every process stops after the same step, the one
+JAX's preemption sync point names. A second Ctrl-C ends the process at once: what it
+leaves is what a kill leaves, which the next start puts right (run_dir.py, checkpoint.py).
 
 A process that dies is found by JAX's coordination service, which stops hearing its
 heartbeats: every other process then ends within --heartbeat-timeout-s with JAX's error
@@ -113,31 +115,78 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-_sigterm = threading.Event()  # one process: SIGTERM arrived (see handle_sigterm)
+# The stop signals, by the names the closing line gives them.
+STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+INTERRUPTED_EXIT_STATUS = 130  # a shell's exit status for a program that Ctrl-C ended
+_stop_signals: list[int] = []  # this process's, in order of arrival (handle_stop_signals)
 
 
 def stop_requested(step: int) -> bool:
-  """Whether the run should save and stop after `step`, for a SIGTERM. Every process
+  """Whether the run should save and stop after `step`, for a stop signal. Every process
   calls this at every step: with several, it is JAX's preemption sync point, which is
   True at the same step on all of them."""
   if jax.process_count() > 1:
     return multihost_utils.reached_preemption_sync_point(step)
-  return _sigterm.is_set()
+  return bool(_stop_signals)
+
+
+def stop_cause() -> str:
+  """The first stop signal this process received, by name ("SIGTERM" where another
+  process received it)."""
+  return STOP_SIGNALS[_stop_signals[0]] if _stop_signals else "SIGTERM"
+
+
+def stop_exit_status() -> int:
+  """The exit status of a run that a stop signal ended: a shell's for Ctrl-C, else 1."""
+  interrupted = _stop_signals[:1] == [signal.SIGINT]
+  return INTERRUPTED_EXIT_STATUS if interrupted else 1
 
 
 @contextlib.contextmanager
-def handle_sigterm():
-  """SIGTERM, while inside, asks the run to stop after a checkpoint (stop_requested)
-  instead of killing it. (With several processes JAX's own notifier catches it.)"""
+def handle_stop_signals():
+  """SIGTERM and SIGINT, while inside, ask the run to stop after a checkpoint
+  (stop_requested) instead of killing it; a second SIGINT ends the process at once.
+  (With several processes JAX's own notifier catches SIGTERM.)
+
+  A Python signal handler runs only when the main thread is between bytecodes, which a
+  compile or a wait on the devices can put off for minutes. The signals are read
+  instead from Python's wakeup file descriptor, on a thread of their own, which acts at
+  once."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  _sigterm.clear()
-  previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+  _stop_signals.clear()
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  previous = {signum: signal.signal(signum, lambda signum, frame: None)
+              for signum in STOP_SIGNALS}
+  previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  watcher = threading.Thread(target=_watch_stop_signals, args=(read_fd,), daemon=True,
+                             name="stop signals")
+  watcher.start()
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    signal.set_wakeup_fd(previous_fd)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    os.close(write_fd)  # the watcher reads the end of the pipe and returns
+    watcher.join()
+    os.close(read_fd)
+
+
+def _watch_stop_signals(read_fd: int) -> None:
+  while received := os.read(read_fd, 64):
+    for signum in received:
+      if signum not in STOP_SIGNALS:
+        continue
+      if signum == signal.SIGINT and signal.SIGINT in _stop_signals:
+        os.write(2, b"second Ctrl-C: exiting at once; --resume continues from the last "
+                    b"checkpoint saved\n")
+        os._exit(INTERRUPTED_EXIT_STATUS)
+      _stop_signals.append(signum)
+      if signum == signal.SIGINT and jax.distributed.is_initialized():
+        os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier, which stops every process
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 `train(cfg)` runs (or resumes) a run and returns every metrics record of it so far:
 
   distributed.launch  joins the run's other processes, if it has any
+  lock_run_dir   the run directory's lock (run_dir.py): a live run there refuses this one
   make_mesh      the device mesh (--mesh) and the batch sharding
   load_data      the sources (held-out text split off), the tokenizer, the token streams
   init_model     the GPT's graph and initial parameters, made on the mesh
@@ -19,7 +20,7 @@ steps themselves (experiments/bench_speed.py).
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import clipjax
 import jax
@@ -28,7 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from .. import model as model_lib
-from ..config import RUN_IDENTITY, ConfigError, TrainConfig, resolve
+from ..config import CONFIG_FILE, RUN_IDENTITY, ConfigError, TrainConfig, resolve
 from ..data import bandit, corpus, pipeline, tokenizer as tokenizer_lib
 from ..reports import metrics, report, throughput
 from . import checkpoint, distributed, run_dir as run_dir_lib, sharding, status, steps
@@ -70,10 +71,14 @@ def train(cfg: TrainConfig) -> list[dict]:
       report.write_report(cfg, run.loop.log.records, run.graphdef, run.state.params,
                           run.data.tokenizer, run.data.prompts, run.loop.started, stopped_at,
                           run.loop.flops_per_token, run.loop.peak_flops)
+    else:
+      status.say(f"--stop-after-step {cfg.stop_after_step}: stopped after step "
+                 f"{run.loop.last_step} of {cfg.steps}, saved in "
+                 f"{run.loop.checkpoints.directory}; --resume continues the run")
   except BaseException:
-    run.loop.run_dir.restore_earlier()  # no checkpoint yet: the run it replaced stays
+    run.loop.run_dir.close(failed=True)  # no checkpoint yet: the run it replaced stays
     raise
-  run.loop.run_dir.keep_new()
+  run.loop.run_dir.close()
   distributed.barrier("the run is complete")
   return run.loop.log.records
 
@@ -86,19 +91,21 @@ def start(cfg: TrainConfig) -> Run:
   distributed.launch(cfg.coordinator, cfg.num_processes, cfg.process_id,
                      cfg.heartbeat_timeout_s)
   cfg = resolve(cfg)
-  mesh = make_mesh(cfg)
-  data = load_data(cfg)
-  graphdef, params = init_model(cfg, mesh)
-  tx = train_step_lib.make_optimizer(cfg)
-  opt_state = init_opt_state(tx, params, mesh)
-  train_step = train_step_lib.train_step_for(graphdef, cfg, len(corpus.SOURCE_NAMES), mesh,
-                                             params, opt_state)
-  run_dir = open_run_dir(cfg)
+  run_dir = run_dir_lib.RunDir(cfg.out_dir, None, lock=on_main(
+      cfg, lambda: run_dir_lib.lock_run_dir(cfg.out_dir)))
   try:
+    mesh = make_mesh(cfg)
+    data = load_data(cfg)
+    graphdef, params = init_model(cfg, mesh)
+    tx = train_step_lib.make_optimizer(cfg)
+    opt_state = init_opt_state(tx, params, mesh)
+    train_step = train_step_lib.train_step_for(graphdef, cfg, len(corpus.SOURCE_NAMES),
+                                               mesh, params, opt_state)
+    run_dir = open_run_dir(cfg, run_dir.lock) or run_dir  # None on the other processes
     return _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state,
                          train_step)
   except BaseException:
-    run_dir.restore_earlier()
+    run_dir.close(failed=True)
     raise
 
 
@@ -112,7 +119,7 @@ def _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state
   state = restore(cfg, checkpoints, params, opt_state, identity)
   log = open_metrics_log(cfg, state.step_done)
   if distributed.is_main():
-    metrics.write_json_atomic(os.path.join(cfg.out_dir, "config.json"),
+    metrics.write_json_atomic(os.path.join(cfg.out_dir, CONFIG_FILE),
                               dataclasses.asdict(cfg))
   last_step = cfg.stop_after_step or cfg.steps
   bar = tqdm(total=last_step, initial=state.step_done,
@@ -148,20 +155,27 @@ def finish(run: Run) -> None:
 # --- Before the first step --------------------------------------------------------
 
 
-def open_run_dir(cfg: TrainConfig) -> run_dir_lib.RunDir:
-  """The run directory (run_dir.py), opened by process 0 while the others wait; where it
-  is refused (an earlier run, without --resume or --overwrite) every process raises."""
-  run_dir, error = run_dir_lib.RunDir(cfg.out_dir, None), None
+def open_run_dir(cfg: TrainConfig, lock: run_dir_lib.RunLock | None) -> run_dir_lib.RunDir:
+  """The run directory (run_dir.py), opened by process 0 (which holds its `lock`) while
+  the others wait; where it is refused (an earlier run, without --resume or --overwrite)
+  every process raises. None on the other processes."""
+  return on_main(cfg, lambda: run_dir_lib.open_run_dir(
+      cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite, say=status.say, lock=lock))
+
+
+def on_main(cfg: TrainConfig, act: Callable[[], Any]) -> Any:
+  """`act()`'s result on process 0, which alone writes the run directory, and None on the
+  others, which wait for it; a ConfigError of process 0's is raised on every process."""
+  result, error = None, None
   if distributed.is_main():
     try:
-      run_dir = run_dir_lib.open_run_dir(cfg.out_dir, resume=cfg.resume,
-                                         overwrite=cfg.overwrite, say=status.say)
+      result = act()
     except ConfigError as e:
       error = e
   if not distributed.agree(error is None):  # also: the others wait for process 0 here
     raise error or ConfigError(f"--out-dir {cfg.out_dir}: process 0 refused it (its own "
                                "message says why)")
-  return run_dir
+  return result
 
 
 def load_data(cfg: TrainConfig) -> Data:

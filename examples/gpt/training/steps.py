@@ -15,7 +15,9 @@ For each step:
                        and stops the run after --nonfinite-stop NaN/inf steps in a row
   checkpoints          every --checkpoint-every steps and at the end (all metrics
                        fetched first, so that no checkpoint holding NaN is saved), and
-                       before stopping for SIGTERM (distributed.stop_requested)
+                       before stopping for SIGTERM or Ctrl-C (distributed.stop_requested;
+                       an --overwrite with no checkpoint yet stops without one, and the
+                       run it replaced is put back)
 
 The bandit sees every step, in order, whatever --log-every is: the weights and the phase
 boundaries are those of a loop that fetched each step's metrics at once.
@@ -45,7 +47,8 @@ class TrainingDiverged(Exception):
 
 
 class Stopped(Exception):
-  """SIGTERM stopped the run after a checkpoint; --resume continues it."""
+  """A stop signal (SIGTERM, Ctrl-C) stopped the run after a checkpoint, which --resume
+  continues, or before an --overwrite's first, with the run it replaced put back."""
 
 
 @dataclasses.dataclass
@@ -113,10 +116,14 @@ def run_steps(loop: Loop, state: State, until: int | None = None) -> int | None:
     stop = distributed.stop_requested(step)
     if step % cfg.checkpoint_every == 0 or step == loop.last_step or out_of_time or stop:
       fetch_metrics(loop, state)
+      if stop and distributed.agree(loop.run_dir.aside is not None):
+        raise Stopped(f"{distributed.stop_cause()}: stopped after step {step} of "
+                      f"{cfg.steps}, before this --overwrite's first checkpoint: the run "
+                      f"it replaced is back in {cfg.out_dir}")
       save_checkpoint(loop, state)
     if stop:
-      raise Stopped(f"SIGTERM: stopped after step {step} of {cfg.steps}, saved in "
-                    f"{loop.checkpoints.directory}; --resume continues the run")
+      raise Stopped(f"{distributed.stop_cause()}: stopped after step {step} of {cfg.steps}, "
+                    f"saved in {loop.checkpoints.directory}; --resume continues the run")
     if out_of_time and step < loop.last_step:
       loop.say(f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
                f"of {cfg.steps}")
