@@ -159,9 +159,10 @@ def test_a_second_ctrl_c_exits_at_once_and_the_next_start_continues(tmp_path, ca
 def test_a_lock_left_by_a_killed_process_never_blocks(tmp_path):
   out = tmp_path / "run"
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-       "import run_dir; run_dir.lock_run_dir(sys.argv[2]); print('locked', flush=True); "
-       "time.sleep(600)", str(EXAMPLES), str(out)], stdout=subprocess.PIPE, text=True)
+      [sys.executable, "-c", "import sys, time; from gpt.training import run_dir; "
+       "run_dir.lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(600)",
+       str(out)], stdout=subprocess.PIPE, text=True,
+      env={**os.environ, "PYTHONPATH": str(EXAMPLES)})
   try:
     assert holder.stdout.readline() == "locked\n"
     with pytest.raises(run_dir_lib.ConfigError, match=rf"process {holder.pid} on host "):
