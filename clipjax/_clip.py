@@ -193,7 +193,7 @@ def _over(old, new):
 
 def named_leaf_norms(opt_state, params) -> dict:
   """{path: norm} of the latest update's leaves, before clipping, e.g.
-  {"['layer_0']['kernel']": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
+  {"layer_0/kernel": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
   `clip_state`) paired with the paths of `params` (the tree the optimizer was made for).
 
   For logging: the norms are Python floats, from one copy to the host. Inside `jax.jit`,
@@ -206,7 +206,7 @@ def named_leaf_norms(opt_state, params) -> dict:
                      f"has {len(paths)} leaves; pass the params the optimizer was built for")
   if not isinstance(norms, jax.core.Tracer):
     norms = jax.device_get(norms).tolist()
-  return {_options.where(path): norms[i] for i, path in enumerate(paths)}
+  return {_options.name(path): norms[i] for i, path in enumerate(paths)}
 
 
 def clip_state(opt_state) -> AndreaClipState:

@@ -128,6 +128,7 @@ def differentiable(clip_fn, max_norm, leaves, tangent_fn):
 
   @clip.defjvp
   def clip_jvp(primals, tangents):
+    primals = jax.tree.map(jnp.asarray, primals)  # JAX passes a Python number leaf as it is
     return clip_fn(*primals), tangent_fn(primals, tangents)
 
   return clip(max_norm, list(leaves))

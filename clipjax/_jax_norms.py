@@ -80,7 +80,7 @@ def _real_parts(x, dtype):
   (so that |z| above the float range does not overflow where its parts do not)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     return [jnp.real(x).astype(dtype), jnp.imag(x).astype(dtype)]
-  return [x.astype(dtype)]
+  return [jnp.asarray(x, dtype)]  # also a Python number leaf, as jax.grad passes it
 
 
 def staged(values, dtype):

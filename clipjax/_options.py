@@ -124,16 +124,31 @@ def where(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
+def name(path) -> str:
+  """A leaf's path as Flax and Orbax name it, e.g. blocks/0/attn/q/kernel."""
+  return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+
+
+def _as_array(leaf):
+  """A Python number leaf as a JAX scalar: a float or int as float32, as JAX makes a Python
+  float without jax_enable_x64; a subclass that carries a dtype (numpy's float64, say) as
+  that dtype where JAX has it, else float32, with no warning. Any other leaf as it is."""
+  if not isinstance(leaf, (int, float)) or isinstance(leaf, bool):
+    return leaf
+  if type(leaf) in (int, float):
+    return jnp.asarray(leaf, jnp.float32)
+  return jnp.asarray(leaf)
+
+
 def flatten(tree):
   """Leaves (as arrays) with their paths; rejects leaves that are not floats."""
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = []
   for path, leaf in paths_leaves:
+    leaf = _as_array(leaf)
     if not hasattr(leaf, "dtype"):
-      if not isinstance(leaf, float):
-        raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not a "
-                        "floating-point array")
-      leaf = jnp.asarray(leaf, jnp.float32)
+      raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not a "
+                      "floating-point array")
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       raise TypeError(f"clipjax: leaf {where(path)} has dtype {leaf.dtype}; gradients must be "
                       "floating point (float32, bfloat16, float16, float64). Integer and bool leaves "
