@@ -187,7 +187,8 @@ def _over(old, new):
   state keeps its buffers from step to step, and XLA copies nothing and finds every address
   of its command buffers (CUDA graphs) unchanged, with no update. Left out, the write-only
   fields (the norms, `clipped`) got new buffers each step and made XLA re-record the whole
-  step's graph: 1-2 ms of the host's time per step on gpt120m."""
+  step's graph, a cost of the host's on every step (benchmarks/bench_dispatch.py times the
+  host's share of a call by the state it rewrites)."""
   return jnp.where(True, new, old)
 
 

@@ -26,8 +26,8 @@ SCALE_TARGET = "clipjax_andrea_scale"
 ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in cuda/andrea_clip_math.h
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Leaves per custom call. XLA's compile time grows faster than linearly in the number of
-# results a call aliases to its operands (at 4,000 leaves, 79 s on a CPU; 2.3 s as calls
-# of 250), so larger trees are clipped by several calls (see `_partition._whole_call`).
+# results a call aliases to its operands (benchmarks/bench_compile.py), so larger trees are
+# clipped by several calls (see `_partition._whole_call`).
 MAX_LEAVES_PER_CALL = 256
 
 def num_chunks(sizes) -> int:
@@ -116,9 +116,9 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
 
 # The scale call is a primitive of clipjax's own, not `jax.ffi.ffi_call`, so that it
 # constrains no layout. XLA copies every aliased operand of a custom call that constrains
-# its layouts before it assigns layouts, and removes the copies only passes later: at
-# 20,000 leaves, 20,000 copies that each of those passes walks, and a check in the fusion
-# pass that costs O(m^2) per copy of a call of m leaves. The call needs no layout: its
+# its layouts before it assigns layouts, and removes the copies only passes later: one copy
+# per leaf that each of those passes walks, and a check in the fusion pass that costs
+# O(m^2) per copy of a call of m leaves (benchmarks/bench_compile.py). The call needs no layout: its
 # kernel is elementwise, so any layout of a leaf is right (its result is the same buffer),
 # and its other operands have one dimension.
 _scale_p = jax.extend.core.Primitive(SCALE_TARGET)

@@ -16,8 +16,7 @@ from clipjax._jax_norms import norm_dtype, norms, pow2, unscale
 
 # The platforms where the pure-JAX clip finishes the leaves' row sums together
 # (`_jax_norms._sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums in a kernel of its
-# own. Measured on CUDA only; on CPUs it is slower (docs/wall_clock_analysis.md, "The
-# pure-JAX path's sums by rows").
+# own. On CPUs it is slower (benchmarks/bench_pure_jax.py times both forms).
 ROW_SUM_PLATFORMS = ("cuda",)
 
 
@@ -141,8 +140,8 @@ def scale_all(scale, shift, keep, zero_fill, leaves):
   columns = jnp.broadcast_arrays(*factors, zero_fill.astype(scale.dtype))
   # The barrier makes XLA compute the rows once, in a kernel of their own, rather than copy
   # their arithmetic into every consumer's fusion. One array, not four: with the four
-  # values as four arrays, XLA fused no two of AdamW's per-leaf updates (andrea-12m's
-  # step: 557 kernels against 466).
+  # values as four arrays, XLA fused no two of AdamW's per-leaf updates (the kernels of
+  # benchmarks/bench_train_step.py --kernels show it).
   rows = lax.optimization_barrier(jnp.stack(columns, axis=-1).reshape(-1, 4))
   return scale_by_rows(rows, leaves, per_leaf=per_leaf)
 

@@ -126,7 +126,7 @@ def row_sums(x, dtype=_F32):
   of f[rows] in `dtype`: each row's (a vector's rows are its elements), or f[1], the whole
   leaf's, for a scalar or a leaf of more than _MAX_ROWS rows. One variadic reduction of the
   trailing axes reads the leaf once; the leaf broadcast against the factors, as `leaf_sums`
-  reduces it, took XLA:GPU 1.5x as long (docs/wall_clock_analysis.md, "The row sums' form").
+  reduces it, is slower on XLA:GPU (benchmarks/bench_pure_jax.py).
   """
   sums = None
   for part in _real_parts(x, dtype):
@@ -165,8 +165,8 @@ def _sums_by_rows(leaves, dtype):
     return jnp.sum(stacked.reshape(len(members), 3, -1), axis=2)
 
   # The second barrier keeps each length's reduction a kernel of its own: XLA:GPU may fuse
-  # one into the permutation below, where one thread adds up a whole row (in the example's
-  # 120M step, its embedding's 8449 row sums: 0.11-0.18 ms).
+  # one into the permutation below, where one thread adds up a whole row (an embedding's
+  # row sums, in the example's step: benchmarks/bench_pure_jax.py).
   sums = jnp.concatenate(lax.optimization_barrier(
       [finish(members) for members in by_length.values()]))
   return sums[staged(np.argsort(order), jnp.int32)]
@@ -192,8 +192,7 @@ def norms(leaves, *, by_rows: bool):
 
   `by_rows`: each leaf is reduced to its row sums and those of the same length are
   finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
-  leaf's sums in a kernel of its own (the example's 120M training step: 108 reduction
-  kernels against 23). Only for leaves whole on the device that runs this: a sharded
+  leaf's sums in a kernel of its own (benchmarks/bench_pure_jax.py counts the kernels). Only for leaves whole on the device that runs this: a sharded
   leaf's row sums are sharded too, and stacking them would move them between devices.
   Else each leaf is reduced whole (`_sums_by_leaf`), which XLA's partitioner splits like
   any reduction, all-reducing three sums per leaf.

@@ -98,8 +98,8 @@ def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
 
 
 # Above this many leaves scale="auto" is "kernel" even ahead of an optimizer: XLA compiles
-# the fused multiply into every leaf's fusions, which at 1,000 leaves doubles the compile
-# time of an AdamW step on a CPU (docs/design.md, "Who applies the scale").
+# the fused multiply into every leaf's fusions, and an AdamW step's compile time grows with
+# them on a CPU (docs/design.md, "Who applies the scale").
 FUSED_MAX_LEAVES = 1024
 
 

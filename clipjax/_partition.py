@@ -54,7 +54,7 @@ def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
 
   The leaves travel as one tuple, here and through `_batchable`, rather than as one
   argument each: JAX handles each positional argument of a custom_partitioning call
-  against every other (quadratic in their number: seconds at 20,000 leaves)."""
+  against every other (quadratic in their number: benchmarks/bench_compile.py)."""
   del ranks  # static: only the sharding rule reads it
   return _whole_clip(max_norm, list(leaves), impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                      scale_by=scale_by)
@@ -235,8 +235,8 @@ def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: st
   `_ffi.clip_call`).
 
   On a single device the whole call is traced as it is, without `custom_partitioning` and
-  `custom_vmap`, whose per-leaf work costs time and memory on many leaves (at 20,000
-  leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
+  `custom_vmap`, whose per-leaf work costs time and memory on many leaves
+  (benchmarks/bench_compile.py); the custom calls
   then batch under `jax.vmap` by themselves, one call per batch element. Only there do
   the norms read `norm_inputs` (`_sources.norm_sources`) where given."""
   if _nothing_to_partition():

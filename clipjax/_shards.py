@@ -127,8 +127,7 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   # Every call's norms = [norm of this device's shards in the call, then one per leaf],
   # laid end to end per set of axes: one frexp or all-reduce per set, and a few slices per
   # set, not per call or per leaf (each a kernel of its own, which XLA:CPU compiles apart:
-  # at 20,000 leaves a slice per leaf cost 16 s of compile time, and four per call about
-  # 2.5 s).
+  # benchmarks/bench_compile.py).
   step = _ffi.MAX_LEAVES_PER_CALL
   call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
   for members in by_axes.values():
