@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from clipjax._clip import AndreaClipState, clip_state
+from clipjax._clip_state import AndreaClipState, clip_state
 
 
 class SkipSpikesState(NamedTuple):
