@@ -31,6 +31,7 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
   `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
   result, and k_grad_scale writes it only when it clips.
   """
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   return _dispatch.clip(tree, max_norm, impl=impl, mode=mode,
                         on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=False)
 
@@ -42,10 +43,11 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
   Squares are accumulated without overflow or underflow for any input (float64
   in the custom call; rescaling in JAX).
   """
-  _, leaves, _ = _dispatch.prepare(tree, 1.0, impl, "global", "propagate")  # any max_norm
+  _options.check_options(1.0, impl, "global", "propagate")  # any valid max_norm
+  _, leaves, _ = _dispatch.leaves_of(tree, impl)
   if not leaves:
     return jnp.zeros((), jnp.float32)
-  max_norm, _ = _options.max_norm_operand(1.0, "propagate", _tree.norm_dtype(leaves))
+  max_norm, _ = _dispatch.max_norm_operand(1.0, "propagate", _tree.norm_dtype(leaves))
   _, norms, _ = _dispatch.run(max_norm, leaves, impl=impl, mode="global",
                               on_nonfinite="propagate", scale_by=None)
   return norms[0]
@@ -83,6 +85,7 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
     mesh, leaf_specs, _ = _specs.mesh_and_specs(mesh, specs, tree, paths, leaves)
     return _sharded_clip_jitted(tree, max_norm, mesh=mesh, treedef=treedef,
                                 leaf_specs=tuple(leaf_specs), **options)
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   return _dispatch.clip(tree, max_norm, feeds_consumer=False, held="mesh", mesh=mesh,
                         specs=specs, **options)
 
@@ -118,6 +121,7 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   if specs is None:
     raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "
                      "gradients (the in_specs given to shard_map for them)")
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   return _dispatch.clip(tree, max_norm, held="on_shards", specs=specs,
                         impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale,
                         feeds_consumer=False)

@@ -23,15 +23,17 @@ from clipjax._partitioning import per_shard, specs as _specs, spmd
 
 def clip(tree, max_norm, *, impl, mode, on_nonfinite, scale, feeds_consumer, held="whole",
          mesh=None, specs=None, limit=None):
-  """The ClipResult of every entry point: prepare the tree (`prepare`), pick who scales
-  (`_options.resolve_scale`), and clip it as the caller holds it (`held`): "whole" (or
-  sharded under jit: `run`), "mesh" (in a `shard_map` of the clip's own over `mesh`:
-  `run_in_shard_map`) or "on_shards" (inside the caller's `shard_map`: `run_on_shards`).
-  `limit`, where given, maps the max_norm operand to the one this step clips to."""
-  paths, leaves, treedef = prepare(tree, max_norm, impl, mode, on_nonfinite, scale)
+  """The ClipResult of every entry point, on options that the entry point has checked
+  (`_options.check_options`): the tree's leaves (`leaves_of`), the clip's operand
+  (`max_norm_operand`), who scales (`_options.resolve_scale`), and the clip of the tree as
+  the caller holds it (`held`): "whole" (or sharded under jit: `run`), "mesh" (in a
+  `shard_map` of the clip's own over `mesh`: `run_in_shard_map`) or "on_shards" (inside
+  the caller's `shard_map`: `run_on_shards`). `limit`, where given, maps the max_norm
+  operand to the one this step clips to."""
+  paths, leaves, treedef = leaves_of(tree, impl)
   if not leaves:
     return _tree.empty_result(tree)
-  operand, invalid = _options.max_norm_operand(max_norm, on_nonfinite, _tree.norm_dtype(leaves))
+  operand, invalid = max_norm_operand(max_norm, on_nonfinite, _tree.norm_dtype(leaves))
   operand = operand if limit is None else limit(operand)
   kwargs = dict(impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                 scale_by=_options.resolve_scale(scale, impl=impl, feeds_consumer=feeds_consumer,
@@ -46,14 +48,26 @@ def clip(tree, max_norm, *, impl, mode, on_nonfinite, scale, feeds_consumer, hel
   return _tree.make_result(treedef, out, norms, flags, invalid)
 
 
-def prepare(tree, max_norm, impl, mode, on_nonfinite, scale="auto"):
-  """What every clip entry point does first: checks the options, flattens the tree, and
-  checks that impl="ffi" can run it. Returns (paths, leaves, treedef)."""
-  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+def leaves_of(tree, impl):
+  """The tree's (paths, leaves, treedef), checked that impl="ffi" can run them."""
   paths, leaves, treedef = _tree.flatten(tree)
   if leaves and impl == "ffi":
     check_ffi(paths, leaves)
   return paths, leaves, treedef
+
+
+def max_norm_operand(max_norm, on_nonfinite, dtype=jnp.float32):
+  """(max_norm for the clip as a `dtype` scalar, invalid flag), on the device and without
+  a host sync.
+
+  A traced max_norm that is NaN or <= 0 must not flip or scale the updates: it is handled
+  like a non-finite norm. It becomes 0 under on_nonfinite="zero" (every update is zeroed)
+  and NaN under "propagate" (every update is NaN), and the step counts as non-finite.
+  """
+  max_norm = jnp.asarray(max_norm, dtype).reshape(())
+  invalid = ~(max_norm > 0)  # True for NaN
+  stand_in = jnp.asarray(0.0 if on_nonfinite == "zero" else jnp.nan, dtype)
+  return jnp.where(invalid, stand_in, max_norm), invalid
 
 
 def default_platform() -> str:
@@ -132,26 +146,27 @@ def _run(max_norm, leaves, *, impl, custom_call, mode, on_nonfinite, scale_by, n
   """`run`'s clip, with `custom_call` (whether it holds the custom call) and what the custom
   call's norms read in place of the leaves (`_trace_reads.NormInputs`, or None)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
-  if impl == "ffi":
-    return spmd.partitioned_clip(max_norm, leaves, impl="ffi", norm_inputs=norm_inputs,
-                                 **kwargs)
-  # Each platform's function takes (max_norm, *leaves, *norm_inputs).
+  # Each form takes (max_norm, *leaves, *norm_inputs) and returns the flat outputs.
   n = len(leaves)
+  args = (max_norm, *leaves, *(norm_inputs.arrays if norm_inputs else ()))
 
-  def leaf_by_leaf(max_norm, *xs):
-    return _backend.flat_outputs(*_backend.clip("jax", max_norm, xs[:n], by_rows=False,
-                                                **kwargs))
-
-  def on_cuda(max_norm, *xs):
+  def the_custom_call(max_norm, *xs):
     return _backend.flat_outputs(*spmd.partitioned_clip(
         max_norm, list(xs[:n]), impl="ffi",
         norm_inputs=norm_inputs and norm_inputs._replace(arrays=list(xs[n:])), **kwargs))
 
-  rows = spmd.clip_by_rows(leaves, **kwargs)
-  by_rows = (lambda max_norm, *xs: rows(max_norm, *xs[:n])) if rows else leaf_by_leaf
-  outs = _backend.per_platform(by_rows, leaf_by_leaf, max_norm, *leaves,
-                               *(norm_inputs.arrays if norm_inputs else ()),
-                               **({"cuda": on_cuda} if custom_call else {}))
+  if impl == "ffi":
+    outs = the_custom_call(*args)
+  else:
+    pure_jax = _pure_jax_by_leaf(**kwargs)
+
+    def leaf_by_leaf(max_norm, *xs):
+      return _backend.flat_outputs(*pure_jax(max_norm, xs[:n]))
+
+    rows = spmd.clip_by_rows(leaves, **kwargs)
+    by_rows = (lambda max_norm, *xs: rows(max_norm, *xs[:n])) if rows else leaf_by_leaf
+    outs = _backend.per_platform(by_rows, leaf_by_leaf, *args,
+                                 **({"cuda": the_custom_call} if custom_call else {}))
   out = list(outs[:-2]) if scale_by else None
   return out, outs[-2], outs[-1]
 

@@ -1,5 +1,5 @@
 """The options every entry point takes and their checks: impl, mode, on_nonfinite, scale
-(and who multiplies when it is "auto"), and max_norm (and the clip's operand made of it)."""
+(and who multiplies when it is "auto"), and max_norm."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def check_choice(name, value, choices):
 
 def check_max_norm(max_norm):
   """A clear error for a max_norm that is not a real scalar, or (when its value is known
-  now) not finite and > 0. A traced value is checked on the device (`max_norm_operand`)."""
+  now) not finite and > 0. A traced value is checked on the device
+  (`clipjax._dispatch.max_norm_operand`)."""
   if isinstance(max_norm, (bool, np.bool_)):
     raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
   if isinstance(max_norm, jax.core.Tracer):  # e.g. injected by optax.inject_hyperparams
@@ -46,20 +47,6 @@ def check_max_norm(max_norm):
     number = float(value.astype(np.float64))
     if not (math.isfinite(number) and number > 0):
       raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
-
-
-def max_norm_operand(max_norm, on_nonfinite, dtype=jnp.float32):
-  """(max_norm for the clip as a `dtype` scalar, invalid flag), on the device and without
-  a host sync.
-
-  A traced max_norm that is NaN or <= 0 must not flip or scale the updates: it is handled
-  like a non-finite norm. It becomes 0 under on_nonfinite="zero" (every update is zeroed)
-  and NaN under "propagate" (every update is NaN), and the step counts as non-finite.
-  """
-  max_norm = jnp.asarray(max_norm, dtype).reshape(())
-  invalid = ~(max_norm > 0)  # True for NaN
-  stand_in = jnp.asarray(0.0 if on_nonfinite == "zero" else jnp.nan, dtype)
-  return jnp.where(invalid, stand_in, max_norm), invalid
 
 
 def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):

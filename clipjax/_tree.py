@@ -27,7 +27,7 @@ def empty_result(tree) -> ClipResult:
 
 def make_result(treedef, out, norms, flags, invalid_max_norm) -> ClipResult:
   """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2]); an invalid
-  max_norm (see `_options.max_norm_operand`) counts as non-finite."""
+  max_norm (see `_dispatch.max_norm_operand`) counts as non-finite."""
   return ClipResult(jax.tree_util.tree_unflatten(treedef, out), norms[0], flags[0] != 0,
                     (flags[1] != 0) | invalid_max_norm, norms[1:])
 

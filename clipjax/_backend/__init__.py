@@ -5,7 +5,8 @@ JAX (`pure_jax.py`: what CPUs and TPUs run). Each answers three questions:
 
 - `clip`: the clip of leaves whole where it runs: their norms, the decision, the leaves;
 - `norms`: the norms alone, of what a `clipjax._trace_reads.NormInputs` gives;
-- `scale`: the leaves multiplied as a decision taken elsewhere says (`clipjax._decision`).
+- `decide_and_scale`: the clip's decision from norms taken elsewhere (the sharded clip's,
+  after its all-reduce: `clipjax._decision.from_norms`), and the leaves multiplied by it.
 
 A clip returns what the custom call returns: `(out_leaves or None, norms, flags)`, with
 norms f32[n + 1] (the global norm, then one per leaf; float64 on the pure-JAX path for a
@@ -63,13 +64,20 @@ def norms(impl, reads, *, by_rows: bool | None = None):
   return all_norms
 
 
-def scale(impl, scale_by, decision: _decision.Decision, leaves):
-  """`leaves` multiplied as `decision` says: by the custom call's scale stage (k_grad_scale,
-  in place) for impl="ffi" with scale_by="kernel", else by XLA's elementwise ops, which XLA
-  fuses into their consumers."""
-  if impl == "ffi" and scale_by == "kernel":
-    return ffi.scale_call(*decision, leaves)
-  return _decision.scale_all(*decision, leaves)
+def decide_and_scale(impl, max_norm, leaves, global_root, global_exp, leaf_roots, leaf_exps, *,
+                     mode: str, on_nonfinite: str, scale_by):
+  """The clip of `leaves` by norms taken elsewhere, as (root, exponent) pairs: the decision
+  (`_decision.from_norms`), then the leaves multiplied as it says, by XLA's elementwise ops
+  (which XLA fuses into their consumers), or for impl="ffi" with scale_by="kernel" by the
+  custom call's scale stage (k_grad_scale, in place). Returns what `clip` returns."""
+  decision, all_norms, flags = _decision.from_norms(
+      max_norm, global_root, global_exp, leaf_roots, leaf_exps, mode=mode,
+      on_nonfinite=on_nonfinite)
+  if scale_by is None:
+    return None, all_norms, flags
+  if impl != "ffi" or scale_by != "kernel":
+    return _decision.scale_all(*decision, leaves), all_norms, flags
+  return ffi.scale_call(*decision, leaves), all_norms, flags
 
 
 def flat_outputs(out, all_norms, flags) -> tuple:

@@ -100,10 +100,8 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
   if order != sorted(order):
     inverse = np.argsort(order)
     leaf_roots, leaf_exps = leaf_roots[inverse], leaf_exps[inverse]
-  decision, norms, flags = _decision.from_norms(max_norm, root, exp, leaf_roots, leaf_exps,
-                                                mode=mode, on_nonfinite=on_nonfinite)
-  out = _backend.scale(impl, scale_by, decision, shards) if scale_by else None
-  return out, norms, flags
+  return _backend.decide_and_scale(impl, max_norm, shards, root, exp, leaf_roots, leaf_exps,
+                                   mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
 
 
 def _split_calls(x, num_leaves, step):
