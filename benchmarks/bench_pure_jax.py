@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from benchlib import profiling, record, tables, trees
-from clipjax import _jax_impl
+from clipjax._backend import pure_jax as _jax_impl
 
 CALLS = 20
 MAX_NORM = 1e-3  # below the trees' norms: every clip scales

@@ -4,14 +4,14 @@
 runs three CUDA kernels in one XLA FFI custom call, elsewhere a pure-JAX twin.
 """
 
-from clipjax._clip import (AndreaClipState, andrea_clip, clip_state, clip_tree, global_norm,
-                           named_leaf_norms)
+from clipjax._andrea_clip import andrea_clip
+from clipjax._clip_state import AndreaClipState, clip_state, named_leaf_norms
+from clipjax._clip_tree import clip_tree, clip_tree_in_shard_map, global_norm, sharded_clip_tree
 from clipjax._native import platforms as ffi_platforms
-from clipjax._version import __version__  # noqa: F401  (the package's version)
-from clipjax._options import ClipResult
-from clipjax._sharded import clip_tree_in_shard_map, sharded_clip_tree
 from clipjax._skip import SkipSpikesState, skip_spikes
 from clipjax._spike import ZScoreSpike
+from clipjax._tree import ClipResult
+from clipjax._version import __version__  # noqa: F401  (the package's version)
 
 __all__ = [
     "AndreaClipState",

@@ -1,9 +1,9 @@
-"""The options every entry point takes, their checks, and the leaves they act on."""
+"""The options every entry point takes and their checks: impl, mode, on_nonfinite, scale
+(and who multiplies when it is "auto"), and max_norm."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,29 +20,6 @@ NONFINITE_POLICIES = ("propagate", "zero")
 SCALES = ("auto", "fused", "kernel")
 
 
-class ClipResult(NamedTuple):
-  """What a clip returns: the clipped tree, the norm before clipping, whether it was
-  clipped, whether the norm was NaN/inf, and the per-leaf norms (an array, in tree-flatten
-  order). Norms are float32, or float64 for a tree with float64 leaves."""
-  updates: object
-  global_norm: jax.Array
-  clipped: jax.Array
-  nonfinite: jax.Array
-  leaf_norms: jax.Array
-
-
-def empty_result(tree) -> ClipResult:
-  zero = jnp.zeros((), jnp.float32)
-  return ClipResult(tree, zero, jnp.zeros((), bool), jnp.zeros((), bool), jnp.zeros((0,)))
-
-
-def make_result(treedef, out, norms, flags, invalid_max_norm) -> ClipResult:
-  """A ClipResult from a clip's (out_leaves, norms f32[n + 1], flags int32[2]); an invalid
-  max_norm (see `max_norm_operand`) counts as non-finite."""
-  return ClipResult(jax.tree_util.tree_unflatten(treedef, out), norms[0], flags[0] != 0,
-                    (flags[1] != 0) | invalid_max_norm, norms[1:])
-
-
 def check_choice(name, value, choices):
   if value not in choices:
     raise ValueError(f"clipjax: {name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -50,7 +27,8 @@ def check_choice(name, value, choices):
 
 def check_max_norm(max_norm):
   """A clear error for a max_norm that is not a real scalar, or (when its value is known
-  now) not finite and > 0. A traced value is checked on the device (`max_norm_operand`)."""
+  now) not finite and > 0. A traced value is checked on the device
+  (`clipjax._dispatch.max_norm_operand`)."""
   if isinstance(max_norm, (bool, np.bool_)):
     raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
   if isinstance(max_norm, jax.core.Tracer):  # e.g. injected by optax.inject_hyperparams
@@ -71,20 +49,6 @@ def check_max_norm(max_norm):
       raise ValueError(f"clipjax: max_norm must be a finite number > 0; got {max_norm!r}")
 
 
-def max_norm_operand(max_norm, on_nonfinite, dtype=jnp.float32):
-  """(max_norm for the clip as a `dtype` scalar, invalid flag), on the device and without
-  a host sync.
-
-  A traced max_norm that is NaN or <= 0 must not flip or scale the updates: it is handled
-  like a non-finite norm. It becomes 0 under on_nonfinite="zero" (every update is zeroed)
-  and NaN under "propagate" (every update is NaN), and the step counts as non-finite.
-  """
-  max_norm = jnp.asarray(max_norm, dtype).reshape(())
-  invalid = ~(max_norm > 0)  # True for NaN
-  stand_in = jnp.asarray(0.0 if on_nonfinite == "zero" else jnp.nan, dtype)
-  return jnp.where(invalid, stand_in, max_norm), invalid
-
-
 def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
   check_choice("impl", impl, IMPLS)
   check_choice("mode", mode, MODES)
@@ -98,8 +62,8 @@ def check_options(max_norm, impl, mode, on_nonfinite, scale="auto"):
 
 
 # Above this many leaves scale="auto" is "kernel" even ahead of an optimizer: XLA compiles
-# the fused multiply into every leaf's fusions, which at 1,000 leaves doubles the compile
-# time of an AdamW step on a CPU (docs/design.md, "Who applies the scale").
+# the fused multiply into every leaf's fusions, and an AdamW step's compile time grows with
+# them on a CPU (docs/design.md, "Who applies the scale").
 FUSED_MAX_LEAVES = 1024
 
 
@@ -117,26 +81,3 @@ def resolve_scale(scale: str, *, impl: str, feeds_consumer: bool, num_leaves: in
   if impl == "jax":
     return "fused"
   return "fused" if feeds_consumer and num_leaves <= FUSED_MAX_LEAVES else "kernel"
-
-
-def where(path) -> str:
-  """A leaf's path as users write it, e.g. ['layer']['w']."""
-  return jax.tree_util.keystr(path) or "<root>"
-
-
-def flatten(tree):
-  """Leaves (as arrays) with their paths; rejects leaves that are not floats."""
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = []
-  for path, leaf in paths_leaves:
-    if not hasattr(leaf, "dtype"):
-      if not isinstance(leaf, float):
-        raise TypeError(f"clipjax: leaf {where(path)} is a {type(leaf).__name__}, not a "
-                        "floating-point array")
-      leaf = jnp.asarray(leaf, jnp.float32)
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-      raise TypeError(f"clipjax: leaf {where(path)} has dtype {leaf.dtype}; gradients must be "
-                      "floating point (float32, bfloat16, float16, float64). Integer and bool leaves "
-                      "cannot be clipped: mask them out (e.g. optax.masked) or drop them.")
-    leaves.append(leaf)
-  return [p for p, _ in paths_leaves], leaves, treedef

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from clipjax._clip import AndreaClipState, clip_state
+from clipjax._clip_state import AndreaClipState, clip_state
 
 
 class SkipSpikesState(NamedTuple):
@@ -29,13 +29,13 @@ class SkipSpikesState(NamedTuple):
 def pick(skip, if_skip, otherwise):
   """`if_skip` where the scalar `skip` holds, else `otherwise`, bit for bit.
 
-  XLA fuses the choice into the optimizer's pass, where its form matters: on gpt120m (one
-  H200, docs/benchmarks.md) selects of every moment and update made the float32 AdamW step
-  16% slower, and the same choice on the bits, otherwise ^ ((otherwise ^ if_skip) & mask)
-  with mask all ones on a skipped step, 2%; in bfloat16, 16-bit integer operations cost
-  5.0% and selects 3.5%. So arrays of 4- and 8-byte elements are chosen on their bits (a
-  select's bits, NaN payloads and signed zeros included), and narrower, boolean or complex
-  ones by a select.
+  XLA fuses the choice into the optimizer's pass, where its form matters: for arrays of 4-
+  and 8-byte elements a select of every moment and update slows the AdamW step more than
+  the same choice on the bits, otherwise ^ ((otherwise ^ if_skip) & mask) with mask all
+  ones on a skipped step; for 2-byte elements the integer operations cost more than a
+  select (benchmarks/bench_step.py --clips andrea,andrea_skip). So arrays of 4- and
+  8-byte elements are chosen on their bits (a select's bits, NaN payloads and signed zeros
+  included), and narrower, boolean or complex ones by a select.
   """
   otherwise = jnp.asarray(otherwise)
   dtype = otherwise.dtype

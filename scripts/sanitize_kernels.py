@@ -85,7 +85,7 @@ def check(name, leaves, max_norm=1.0, **kw):
 
 def check_scale(name, leaves):
   """The scale-only call (the sharded clip's last stage): leaf i kept, scaled or zeroed."""
-  from clipjax import _ffi  # noqa: PLC0415
+  from clipjax._backend import ffi as _ffi  # noqa: PLC0415
   n = len(leaves)
   scale = np.linspace(0.25, 0.75, n).astype(F32)
   keep, zero = np.arange(n) % 3 == 0, np.arange(n) % 3 == 2

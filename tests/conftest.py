@@ -79,12 +79,12 @@ def impl(request):
 @pytest.fixture
 def sum_by_rows_here(monkeypatch):
   """Makes the pure-JAX path take, on the CPU, the form it takes on CUDA GPUs: the CPU
-  joins `_jax_impl.ROW_SUM_PLATFORMS`, so its sums are finished by rows, and its clip is
+  joins `pure_jax.ROW_SUM_PLATFORMS`, so its sums are finished by rows, and its clip is
   partitioned per shard like the custom call's. JAX's caches are cleared on the way in and
   out: a jitted function traced in one form would otherwise run in it in the other."""
-  from clipjax import _jax_impl
+  from clipjax._backend import pure_jax
   jax.clear_caches()
-  monkeypatch.setattr(_jax_impl, "ROW_SUM_PLATFORMS", (*_jax_impl.ROW_SUM_PLATFORMS, "cpu"))
+  monkeypatch.setattr(pure_jax, "ROW_SUM_PLATFORMS", (*pure_jax.ROW_SUM_PLATFORMS, "cpu"))
   yield
   jax.clear_caches()
 

@@ -1,5 +1,7 @@
 """Bad input gets a clear error that names the problem, never a crash."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,9 +118,27 @@ def test_a_traced_vector_max_norm_is_named():
     jax.jit(lambda m: clipjax.clip_tree(tree, m).updates)(jnp.ones(2))
 
 
-def test_python_int_leaves_are_rejected_like_integer_arrays():
-  with pytest.raises(TypeError, match=r"\[1\] is a int, not a floating-point array"):
-    clipjax.global_norm([jnp.ones(2), 3])
+@pytest.mark.parametrize("impl", ["jax", "ffi"])
+def test_python_number_leaves_are_clipped_as_float32_without_warnings(impl):
+  # numpy's float64 is a Python float too; without jax_enable_x64 it is float32 here.
+  tree = {"a": 3.0, "b": 4, "c": np.float64(0.0)}
+  tx = clipjax.andrea_clip(1.0, impl=impl)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    res = clipjax.clip_tree(tree, 1.0, impl=impl)
+    out, state = tx.update(tree, tx.init(tree))
+    grad = jax.grad(lambda t: clipjax.clip_tree(t, 1.0, impl=impl).global_norm)({"a": 3.0, "b": 4.0})
+  for got in (res.updates, out):
+    assert {k: v.dtype for k, v in got.items()} == dict.fromkeys("abc", jnp.float32)
+    assert {k: float(v) for k, v in got.items()} == {"a": float(np.float32(0.6)),
+                                                      "b": float(np.float32(0.8)), "c": 0.0}
+  assert float(res.global_norm) == float(state.global_norm) == 5.0
+  np.testing.assert_allclose([float(grad["a"]), float(grad["b"])], [0.6, 0.8], rtol=1e-6)
+
+
+def test_a_bool_leaf_is_rejected_by_name():
+  with pytest.raises(TypeError, match=r"\[1\] is a bool, not a floating-point array"):
+    clipjax.global_norm([jnp.ones(2), True])
 
 
 @pytest.mark.parametrize("impl", ["jax", "ffi"])

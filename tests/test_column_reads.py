@@ -1,5 +1,5 @@
 """The custom call's norms read the weight gradients of matmuls that share an input (a
-transformer's q, k and v) as blocks of columns of one array (`_sources.norm_sources`):
+transformer's q, k and v) as blocks of columns of one array (`_trace_reads.norm_sources`):
 XLA's GPU compiler computes them as one merged matmul and would otherwise write each
 leaf out as a copy of its block for the call. The norms and the clipped leaves are those
 of the leaves. It runs on the default backend: the CPU handler here, the CUDA kernels on a
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _native, _sources
+from clipjax import _native, _trace_reads
 from conftest import direct_clip_call
 
 pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")
@@ -64,7 +64,7 @@ def _columns(text):
 
 
 def _ungrouped(monkeypatch):
-  monkeypatch.setattr(_sources, "_merged_matmuls", lambda arrays, read_as: [])
+  monkeypatch.setattr(_trace_reads, "_merged_matmuls", lambda arrays, read_as: [])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -119,10 +119,10 @@ def test_where_the_leaves_are_read_whole(monkeypatch):
   assert _grouped(norm, p, x)
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=64 "
                      "--xla_gpu_dot_merger_threshold_mb=0")
-  assert _sources.dot_merger_limit() == 0
+  assert _trace_reads.dot_merger_limit() == 0
   assert not _grouped(norm, p, x)
   monkeypatch.delenv("XLA_FLAGS")
-  assert _sources.dot_merger_limit() == 32 << 20
+  assert _trace_reads.dot_merger_limit() == 32 << 20
   assert not _grouped(norm, *_model(width=5))  # 20-byte rows
   assert _grouped(norm, *_model(width=4))  # 16-byte rows
   separate = lambda p, x: clipjax.global_norm(  # noqa: E731
@@ -140,9 +140,9 @@ def test_merge_limit_counts_what_the_matmul_reads_and_writes(monkeypatch):
   p, x = _model()
   norm = lambda p, x: clipjax.global_norm(jax.grad(_loss)(p, x), impl="ffi")  # noqa: E731
   size = 4 * (32 * 64 + 32 * 48 + 64 * 48)
-  monkeypatch.setattr(_sources, "dot_merger_limit", lambda: size)
+  monkeypatch.setattr(_trace_reads, "dot_merger_limit", lambda: size)
   assert _grouped(norm, p, x)
-  monkeypatch.setattr(_sources, "dot_merger_limit", lambda: size - 1)
+  monkeypatch.setattr(_trace_reads, "dot_merger_limit", lambda: size - 1)
   assert not _grouped(norm, p, x)
 
 

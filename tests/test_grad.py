@@ -3,8 +3,8 @@ of an optimizer chain holding it, on every path (the custom call, and the pure-J
 by leaf and by rows), against float64's derivative and optax's.
 
 The custom call and `custom_partitioning` have no derivative of their own: every path
-takes the pure-JAX clip's (`_dispatch.pure_jax_tangent`), whose norms carry theirs
-(`_jax_norms.norms`), so that it holds where the squares overflow or underflow as well.
+takes the pure-JAX clip's (`_dispatch.tangent_of`), whose norms carry theirs
+(`_backend.pure_jax.norms`), so that it holds where the squares overflow or underflow as well.
 """
 
 import re

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import clipjax
-from clipjax import _ffi, _native
+from clipjax import _native
+from clipjax._backend import ffi as _ffi
 from conftest import f64_norm
 
 pytestmark = pytest.mark.skipif(not _native.platforms(), reason="no clipjax custom-call handler")

@@ -1,5 +1,5 @@
 """The custom call's norms read a leaf that the same jit converted in a cheaper source
-(`_sources.norm_sources`), which XLA would otherwise write out for the call:
+(`_trace_reads.norm_sources`), which XLA would otherwise write out for the call:
 - a float32 leaf widened from bfloat16 or float16 in its narrow form (the gradients of a
   model with bfloat16 compute and float32 parameters);
 - a bfloat16 or float16 leaf narrowed from a float32 array in memory (a reduction's

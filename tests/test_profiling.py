@@ -107,7 +107,7 @@ def test_call_operands_name_what_wrote_each_operand_of_the_custom_call():
   assert profiling.hlo_summary(hlo)["call_operands"] == found
   # The scale call's leaves follow its factors and actions. It writes over its leaves, so
   # an argument of the jit that is not donated reaches it through a copy.
-  from clipjax import _ffi
+  from clipjax._backend import ffi as _ffi
   scaled = jax.jit(lambda a, b: _ffi.scale_call(0.5, 0.0, False, False, [a, (b * 3.0)[:, :16]]))
   found = profiling.call_operands(scaled.lower(a, b).compile().as_text())
   assert sum(found.values()) == 2 and found.get("copy f32[8,4]") == 1, found

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import clipjax
-from clipjax import _jax_norms
+from clipjax._backend import pure_jax
 from conftest import f64_norm
 
 # jax.enable_x64 where this jax has it; jax 0.7.2 has only jax.experimental's.
@@ -93,7 +93,7 @@ def _range_tree():
       "cube": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.bfloat16),
       "complex": jnp.asarray(rng.normal(size=(5, 2)) + 1j * rng.normal(size=(5, 2)),
                              jnp.complex64),
-      "tall": jnp.asarray(rng.normal(size=(_jax_norms._MAX_ROWS + 3, 1)), jnp.float32),
+      "tall": jnp.asarray(rng.normal(size=(pure_jax._MAX_ROWS + 3, 1)), jnp.float32),
       "also_768": jnp.asarray(rng.normal(size=(768, 2)) * 1e-25, jnp.float32),
   }
 

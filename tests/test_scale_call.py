@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clipjax import _ffi, _native
+from clipjax import _native
+from clipjax._backend import ffi as _ffi
 
 F32 = jnp.float32
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -350,12 +350,12 @@ def test_outside_jit_the_clip_is_compiled_once_and_cached(devices, impl):
   """A call outside jit runs one jitted program, kept in jit's cache: a second call (here
   with another max_norm, an operand) runs it again rather than tracing and compiling a
   shard_map anew."""
-  from clipjax import _sharded  # pylint: disable=g-import-not-at-top
+  from clipjax import _clip_tree  # pylint: disable=g-import-not-at-top
   mesh, d = _mesh2d(), devices // 2
   specs = {"w": P("data", "model"), "b": P()}
   tree = _tree({"w": ((4 * d, 6), jnp.float32), "b": ((6,), jnp.float32)})  # shapes of its own
   placed = _put(tree, mesh, specs)
-  cached = _sharded._sharded_clip_jitted._cache_size
+  cached = _clip_tree._sharded_clip_jitted._cache_size
   before = cached()
   clipjax.sharded_clip_tree(placed, 1.0, mesh=mesh, specs=specs, impl=impl)
   assert cached() == before + 1

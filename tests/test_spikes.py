@@ -72,12 +72,20 @@ def test_leaf_norms_are_always_in_the_state(impl):
   np.testing.assert_allclose(np.asarray(state.leaf_norms), [f64_norm(x) for x in leaves],
                              rtol=1e-6)
   named = clipjax.named_leaf_norms(state, params)
-  assert list(named) == ["['emb']", "['layers'][0]['b']", "['layers'][0]['w']"]
+  assert list(named) == ["emb", "layers/0/b", "layers/0/w"]
   assert all(type(v) is float for v in named.values())  # for logging: on the host
-  np.testing.assert_allclose(named["['emb']"], f64_norm(grads["emb"]), rtol=1e-6)
+  np.testing.assert_allclose(named["emb"], f64_norm(grads["emb"]), rtol=1e-6)
   # Inside jit the same names, with traced norms.
   traced = jax.jit(lambda s: clipjax.named_leaf_norms(s, params))(state)
   assert {k: float(v) for k, v in traced.items()} == named
+
+
+def test_named_leaf_norms_are_named_as_flax_and_orbax_name_paths():
+  params = {"blocks": [{"attn": {"q": {"kernel": jnp.zeros((2, 2))}}}], "head": jnp.zeros(3)}
+  tx = clipjax.andrea_clip(1.0)
+  _, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params))
+  assert clipjax.named_leaf_norms(state, params) == {"blocks/0/attn/q/kernel": 2.0,
+                                                     "head": float(np.float32(3.0 ** 0.5))}
 
 
 def test_named_leaf_norms_needs_the_optimizers_params():

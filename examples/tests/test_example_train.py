@@ -169,13 +169,13 @@ def test_spike_skip_runs_and_logs_its_statistics(tmp_path, tiny):
 
 def test_a_spike_record_names_the_five_largest_leaves():
   leaf_norms = np.array([0.5, 4.0, 0.1, 3.0, 2.0, 9.0, 1.0], np.float32)
-  names = [f"['w{i}']" for i in range(7)]
+  names = [f"w{i}" for i in range(7)]
   m = {"loss": 3.0, "grad_norm": 11.0, "clipped": True, "spike": True, "norm_mean": 2.5,
        "leaf_norms": leaf_norms, "skipped_count": 1, "lr": 1e-3,
        "loss_sum_K": np.ones(3), "rows_K": np.ones(3)}
   r = metrics.step_record(7, 0, ["a", "b", "c"], m, 1.0, 0.1, [1], names)
-  assert r["top_leaves"] == [["['w5']", 9.0], ["['w1']", 4.0], ["['w3']", 3.0],
-                             ["['w4']", 2.0], ["['w6']", 1.0]]
+  assert r["top_leaves"] == [["w5", 9.0], ["w1", 4.0], ["w3", 3.0], ["w4", 2.0],
+                             ["w6", 1.0]]
   assert metrics.step_record(8, 0, ["a", "b", "c"], dict(m, spike=False), 1.0, 0.1, [1],
                              names)["top_leaves"] is None
 

@@ -6,16 +6,34 @@ leaves traced in the same jit as the clip, arrays that hold the same values and 
 to read, or nothing to write: a narrow source (a float32 leaf widened from it), a float32
 source that XLA keeps in memory anyway (a narrow leaf rounded from it), and the output of
 a matmul that XLA merges with its siblings (a block of its columns).
+
+It reads JAX's trace through attributes that JAX does not promise to keep: each traced
+value's equation (`parent`: its `primitive`, `params`, `in_tracers`, `outvars`), its trace
+(`_trace`) and variable (`val`), and the jaxprs of nested jits. The results never depend on
+it, only what the kernels read:
+
+- `CLIPJAX_TRACE_READS=0` in the environment turns it off: the norms read every leaf as
+  stored. Read when a clip is traced.
+- Where the running JAX's trace does not expose those attributes (`_trace_is_readable`,
+  a probe run once per process), the norms read every leaf as stored, and clipjax says so
+  once, in a warning that names the JAX version.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import warnings
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
+# The environment variable that turns the reads off (`enabled`).
+SWITCH = "CLIPJAX_TRACE_READS"
+_warned = False  # whether `_warn_unreadable` has warned in this process
 _NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Equations whose float32 result XLA writes to memory whatever reads it (a reduction, a
 # matmul, a scatter): reading it costs the norms no array of its own.
@@ -100,10 +118,52 @@ def _in_memory(x) -> bool:
   return eqn.primitive.name in _IN_MEMORY
 
 
+def enabled() -> bool:
+  """Whether the trace reads are on: unless CLIPJAX_TRACE_READS=0, and where this JAX's
+  trace exposes what they read (else a warning, once per process)."""
+  if os.environ.get(SWITCH, "1") == "0":
+    return False
+  if _trace_is_readable():
+    return True
+  _warn_unreadable()
+  return False
+
+
+def _probe(x):
+  """Whether the reads below find what they look for in a trace made for the purpose: a
+  conversion of a nested jit's reduction, and a dense layer's weight gradient."""
+  total = jax.jit(lambda v: jnp.sum(v, axis=0))(x)
+  narrow = total.astype(jnp.bfloat16)
+  weight = lax.dot_general(x, x, (((0,), (0,)), ((), ()))).T
+  found = _weight_gradient(weight)
+  return (_converted_from(narrow) is total and _in_memory(total) and found is not None
+          and found[0] is x)
+
+
+@functools.cache
+def _trace_is_readable() -> bool:
+  """Whether this JAX's trace exposes the attributes that the reads below take (`_probe`)."""
+  seen = []
+  jax.make_jaxpr(lambda x: seen.append(_probe(x)))(jax.ShapeDtypeStruct((4, 4), jnp.float32))
+  return bool(seen and seen[0])
+
+
+def _warn_unreadable():
+  global _warned
+  if not _warned:
+    _warned = True
+    warnings.warn(
+        f"clipjax: the trace of this JAX (jax {jax.__version__}) does not expose what clipjax "
+        "reads in it to find cheaper sources for the custom call's norms; they read every "
+        f"leaf as stored (the same results; the clip may be slower). {SWITCH}=0 turns the "
+        "reads off without this warning.", RuntimeWarning, stacklevel=3)
+
+
 def norm_sources(leaves) -> NormInputs | None:
   """What the norm kernels may read in place of `leaves`, or None where they read the
-  leaves. Only a leaf traced in the same jit as the equations that made it is known by
-  them (JAX's trace records them): under `vmap` or `grad` the call reads the leaf.
+  leaves: always where the reads are off (`enabled`). Only a leaf traced in the same jit as
+  the equations that made it is known by them (JAX's trace records them): under `vmap` or
+  `grad` the call reads the leaf.
 
   Two arrays have a cheaper source, with the same values:
   - widened: a float32 leaf converted from a bfloat16 or float16 array (the gradients of
@@ -118,6 +178,8 @@ def norm_sources(leaves) -> NormInputs | None:
   of matmuls that share an input are read as blocks of columns of one array
   (`_merged_matmuls`).
   """
+  if not enabled():
+    return None
   arrays, read_as = [], []
   for x in leaves:
     source, rounded_to = x, None

@@ -1,5 +1,6 @@
-"""The pure-JAX clip's norms: range-safe sums of squares of the leaves, by leaf or by rows,
-and their derivative (`clipjax._jax_impl` takes the decision and scales).
+"""The pure-JAX clip (the path CPUs and TPUs take): range-safe sums of squares of the
+leaves, by leaf or by rows, their derivative, and the clip they lead to (`clip_leaves`:
+the decision and the multiply are `clipjax._decision`'s, which every path shares).
 
 Only per-leaf reductions and elementwise ops touch the leaves, so XLA's SPMD
 partitioner runs these on sharded gradients as it runs optax's norm: each device
@@ -30,49 +31,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from clipjax import _decision
+from clipjax._tree import norm_dtype
+
 _F32 = jnp.float32
 
-
-def norm_dtype(leaves):
-  """The dtype of the norms and of the arithmetic: float64 for a tree with a float64 or
-  complex128 leaf, else float32."""
-  wide = any(jnp.dtype(x.dtype) in (jnp.dtype("float64"), jnp.dtype("complex128"))
-             for x in leaves)
-  return jnp.dtype("float64" if wide else "float32")
+# The platforms where the pure-JAX clip finishes the leaves' row sums together
+# (`_sums_by_rows`): XLA:GPU otherwise finishes each large leaf's sums in a kernel of its
+# own. On CPUs it is slower (benchmarks/bench_pure_jax.py times both forms).
+ROW_SUM_PLATFORMS = ("cuda",)
 
 
-def _sum_exponents(dtype):
-  """(k_mid, k_big, k_small): the exponents k of the factors 2**k applied before squaring,
-  (0, -88, 64) in float32 and (0, -536, 512) in float64."""
-  half = jnp.finfo(dtype).maxexp // 2
-  return 0, -(half + 24), half
-
-
-def _mid_sumsq_min(dtype):
-  """mid at or above this (and finite) lost nothing that matters to underflow: in float32,
-  2**-60, and an element whose square underflows adds below 2**-126, 2**-66 relative."""
-  return 2.0**-(jnp.finfo(dtype).maxexp // 2 - 4)
-
-
-def pow2(k, dtype=_F32):
-  """2.0**k in `dtype` (float32 or float64) for integer k, built from its bits; 0 below
-  the smallest normal."""
-  fi = jnp.finfo(dtype)
-  itype = jnp.int64 if fi.bits == 64 else jnp.int32
-  k = jnp.asarray(k, itype)
-  bits = (jnp.clip(k, fi.minexp, fi.maxexp - 1) - (fi.minexp - 1)) << fi.nmant
-  return jnp.where(k < fi.minexp, jnp.zeros((), dtype), lax.bitcast_convert_type(bits, dtype))
-
-
-def _times_pow2(v, e):
-  """v * 2**e, |e| up to twice the largest exponent, in two exact steps; linear in v."""
-  real = jnp.finfo(v.dtype).dtype  # of a complex v, its parts' dtype
-  return v * pow2(e // 2, real) * pow2(e - e // 2, real)
-
-
-def unscale(v, e):
-  """`_times_pow2`, with NaN and inf kept as they are (inf * 2**-200 is inf, not inf * 0)."""
-  return jnp.where(jnp.isfinite(v), _times_pow2(v, e), v)
+def per_platform(by_rows, by_leaf, *args, **other_platforms):
+  """by_rows(*args) where the program is lowered for one of ROW_SUM_PLATFORMS, by_leaf(*args)
+  elsewhere, and other_platforms' own functions on theirs: decided when lowering
+  (`lax.platform_dependent`), so a program lowered for another platform than the default
+  backend, or for several, takes each platform's form."""
+  return lax.platform_dependent(*args, default=by_leaf, **{
+      **dict.fromkeys(ROW_SUM_PLATFORMS, by_rows), **other_platforms})
 
 
 def _real_parts(x, dtype):
@@ -80,27 +56,7 @@ def _real_parts(x, dtype):
   (so that |z| above the float range does not overflow where its parts do not)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     return [jnp.real(x).astype(dtype), jnp.imag(x).astype(dtype)]
-  return [x.astype(dtype)]
-
-
-def staged(values, dtype):
-  """A vector of static numbers, made by traced ops rather than held as a constant array:
-  the clip that `custom_partitioning` traces (`_partition._whole_call`) may hold no
-  constants. XLA folds it into one."""
-  return lax.concatenate([lax.broadcast_in_dim(np.asarray(v, dtype), (1,), ()) for v in values],
-                         0)
-
-
-def _factors(dtype):
-  """The three scales (mid, big, small) as a vector of `dtype`, behind an optimization
-  barrier: else XLA may rewrite (x * c)^2 as x^2 * c^2 and fold c^2, which is 0 or inf."""
-  return lax.optimization_barrier(staged([2.0**k for k in _sum_exponents(dtype)], dtype))
-
-
-def scaled_squares(x):
-  """The squares of the real array x at the three scales (mid, big, small), stacked along
-  a new leading axis, in x's dtype: what `pick_norm` picks from once they are summed."""
-  return jnp.square(x[None] * _factors(x.dtype).reshape((3,) + (1,) * x.ndim))
+  return [jnp.asarray(x, dtype)]  # also a Python number leaf, as jax.grad passes it
 
 
 def leaf_sums(x, dtype=_F32):
@@ -112,7 +68,8 @@ def leaf_sums(x, dtype=_F32):
   """
   sums = 0
   for part in _real_parts(x, dtype):
-    sums = sums + jnp.sum(scaled_squares(part), axis=tuple(range(1, part.ndim + 1)))
+    squares = _decision.scaled_squares(part)
+    sums = sums + jnp.sum(squares, axis=tuple(range(1, part.ndim + 1)))
   return sums
 
 
@@ -126,12 +83,12 @@ def row_sums(x, dtype=_F32):
   of f[rows] in `dtype`: each row's (a vector's rows are its elements), or f[1], the whole
   leaf's, for a scalar or a leaf of more than _MAX_ROWS rows. One variadic reduction of the
   trailing axes reads the leaf once; the leaf broadcast against the factors, as `leaf_sums`
-  reduces it, took XLA:GPU 1.5x as long (docs/wall_clock_analysis.md, "The row sums' form").
+  reduces it, is slower on XLA:GPU (benchmarks/bench_pure_jax.py).
   """
   sums = None
   for part in _real_parts(x, dtype):
     if part.ndim and part.shape[0] <= _MAX_ROWS:
-      factors = _factors(part.dtype)
+      factors = _decision.factors(part.dtype)
       squares = tuple(jnp.square(part * factors[i]) for i in range(3))
       if part.ndim > 1:
         zero = jnp.zeros((), part.dtype)
@@ -165,26 +122,11 @@ def _sums_by_rows(leaves, dtype):
     return jnp.sum(stacked.reshape(len(members), 3, -1), axis=2)
 
   # The second barrier keeps each length's reduction a kernel of its own: XLA:GPU may fuse
-  # one into the permutation below, where one thread adds up a whole row (in the example's
-  # 120M step, its embedding's 8449 row sums: 0.11-0.18 ms).
+  # one into the permutation below, where one thread adds up a whole row (an embedding's
+  # row sums, in the example's step: benchmarks/bench_pure_jax.py).
   sums = jnp.concatenate(lax.optimization_barrier(
       [finish(members) for members in by_length.values()]))
-  return sums[staged(np.argsort(order), jnp.int32)]
-
-
-def pick_norm(mid, big, small):
-  """(root, exponent) of the norm from its three sums of squares, elementwise.
-
-  The root is finite whenever the elements are (even where the norm overflows the float
-  range), and NaN or inf where one is not.
-  """
-  _, k_big, k_small = _sum_exponents(mid.dtype)
-  mid_min = _mid_sumsq_min(mid.dtype)
-  use_mid = jnp.isfinite(mid) & (mid >= mid_min)
-  use_small = mid < mid_min  # False for a NaN or inf mid
-  root = jnp.sqrt(jnp.where(use_mid, mid, jnp.where(use_small, small, big)))
-  exp = jnp.where(use_mid, 0, jnp.where(use_small, -k_small, -k_big))
-  return root, exp.astype(jnp.int32)
+  return sums[_decision.staged(np.argsort(order), jnp.int32)]
 
 
 def norms(leaves, *, by_rows: bool):
@@ -192,9 +134,9 @@ def norms(leaves, *, by_rows: bool):
 
   `by_rows`: each leaf is reduced to its row sums and those of the same length are
   finished together (`_sums_by_rows`), where XLA:GPU would otherwise finish each large
-  leaf's sums in a kernel of its own (the example's 120M training step: 108 reduction
-  kernels against 23). Only for leaves whole on the device that runs this: a sharded
-  leaf's row sums are sharded too, and stacking them would move them between devices.
+  leaf's sums in a kernel of its own (benchmarks/bench_pure_jax.py counts the kernels).
+  Only for leaves whole on the device that runs this: a sharded leaf's row sums are
+  sharded too, and stacking them would move them between devices.
   Else each leaf is reduced whole (`_sums_by_leaf`), which XLA's partitioner splits like
   any reduction, all-reducing three sums per leaf.
   """
@@ -216,8 +158,8 @@ def _norms(by_rows, leaves):
   # sum of the stacked leaf sums into a chain of n scalar adds and copies that into the
   # fusion scaling each leaf (O(n^2) compile time).
   totals = jnp.sum(lax.optimization_barrier(sums), axis=0)
-  return tuple((root, exp.astype(dtype)) for root, exp in (pick_norm(*totals),
-                                                           pick_norm(*per_leaf)))
+  picked = (_decision.pick_norm(*totals), _decision.pick_norm(*per_leaf))
+  return tuple((root, exp.astype(dtype)) for root, exp in picked)
 
 
 @_norms.defjvp
@@ -232,7 +174,7 @@ def _norms_jvp(by_rows, primals, tangents):
   exp, leaf_exps = exp.astype(jnp.int32), leaf_exps.astype(jnp.int32)
 
   def dot(x, dx, e):  # <x * 2**-e, dx * 2**-e>, linear in dx
-    return sum(jnp.sum(unscale(p, -e) * _times_pow2(q, -e))
+    return sum(jnp.sum(_decision.unscale(p, -e) * _decision.times_pow2(q, -e))
                for p, q in zip(_real_parts(x, dtype), _real_parts(dx, dtype)))
 
   def over(v, r):  # v / r, 0 where r is 0
@@ -242,5 +184,29 @@ def _norms_jvp(by_rows, primals, tangents):
   d_leaves = over(dots, leaf_roots)
   # The same dots at the global exponent, which is at least each leaf's (the global norm
   # is the larger): one read of each leaf, and one sum rather than a chain of n adds.
-  d_root = over(jnp.sum(_times_pow2(dots, 2 * (leaf_exps - exp))), root)
+  d_root = over(jnp.sum(_decision.times_pow2(dots, 2 * (leaf_exps - exp))), root)
   return out, ((d_root, jnp.zeros_like(out[0][1])), (d_leaves, jnp.zeros_like(out[1][1])))
+
+
+def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves: bool,
+                by_rows: bool | None):
+  """The clip of `leaves` in pure JAX; the custom call's contract (`ffi.clip_call`), with
+  norms in float64 for a tree with float64 leaves.
+
+  `by_rows` as for `norms`, or None for leaves that are whole on the device that runs the
+  clip (inside `shard_map`): each platform's form (`per_platform`).
+
+  Returns (out_leaves or None, norms f[n + 1], flags int32[2]).
+  """
+  if by_rows is None:
+    def form(by_rows):
+      return lambda max_norm, *leaves: clip_leaves(
+          max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
+          scale_leaves=scale_leaves, by_rows=by_rows)
+
+    return per_platform(form(True), form(False), max_norm, *leaves)
+  max_norm = jnp.asarray(max_norm, norm_dtype(leaves)).reshape(())
+  (root, exp), (leaf_roots, leaf_exps) = norms(leaves, by_rows=by_rows)
+  decision, all_norms, flags = _decision.from_norms(max_norm, root, exp, leaf_roots, leaf_exps,
+                                                    mode=mode, on_nonfinite=on_nonfinite)
+  return (_decision.scale_all(*decision, leaves) if scale_leaves else None), all_norms, flags

@@ -11,74 +11,14 @@ kernels) or its pure-JAX twin -> pytree.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from clipjax import _dispatch, _jax_norms, _options, _sharded, _spike
-from clipjax._options import ClipResult
+from clipjax import _dispatch, _options, _spike, _tree
+from clipjax._clip_state import AndreaClipState
 from clipjax._spike import ZScoreSpike
-
-
-class AndreaClipState(NamedTuple):
-  """State of `andrea_clip`, rewritten by every update.
-
-  Attributes:
-    global_norm: float32 scalar (float64 for float64 params), the global norm of
-      the latest updates before clipping (so a training loop can log it without
-      computing it again).
-    clipped: bool scalar, whether the latest updates were scaled (or zeroed).
-    nonfinite_count: int32 scalar, how many updates so far had a NaN/inf norm.
-    leaf_norms: float32[number of leaves], each leaf's norm before clipping, in
-      tree-flatten order (`named_leaf_norms` pairs them with their paths).
-    norm_mean, norm_var: float32 scalars, the running mean and variance of the
-      global norm (with `spike=ZScoreSpike(...)`; zeros without).
-    norm_count: int32 scalar, the finite steps that entered those statistics.
-    spike: bool scalar, whether the latest step was a spike.
-    spike_count: int32 scalar, how many steps so far were spikes.
-  """
-  global_norm: jax.Array
-  clipped: jax.Array
-  nonfinite_count: jax.Array
-  leaf_norms: jax.Array
-  norm_mean: jax.Array
-  norm_var: jax.Array
-  norm_count: jax.Array
-  spike: jax.Array
-  spike_count: jax.Array
-
-
-def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
-              on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
-  """Clips a pytree of gradients by its global norm (or per leaf).
-
-  Returns a ClipResult: the clipped tree, the norm before clipping, whether it
-  was clipped, whether the norm was NaN/inf, and per-leaf norms. None leaves and
-  optax.MaskedNode are skipped and kept as they are. A tree with a float64 leaf
-  (with jax_enable_x64) is clipped in float64, norms included; else in float32.
-
-  `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
-  result, and k_grad_scale writes it only when it clips.
-  """
-  return _dispatch.clip(_dispatch.run_whole, tree, max_norm, impl=impl, mode=mode,
-                        on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=False)
-
-
-def global_norm(tree, *, impl: str = "auto") -> jax.Array:
-  """The global L2 norm of every element of every leaf of `tree`: float32, or
-  float64 for a tree with a float64 leaf.
-
-  Squares are accumulated without overflow or underflow for any input (float64
-  in the custom call; rescaling in JAX).
-  """
-  p = _dispatch.prepare(tree, 1.0, impl, "global", "propagate")  # max_norm: any valid one
-  if p is None:
-    return jnp.zeros((), jnp.float32)
-  _, norms, _ = _dispatch.run_whole(p, tree, impl=impl, mode="global",
-                                    on_nonfinite="propagate", scale_by=None)
-  return norms[0]
 
 
 def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
@@ -144,32 +84,23 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
     raise TypeError(f"clipjax: spike must be a clipjax.ZScoreSpike or None; got {spike!r}")
   # How the tree is clipped as the caller holds it: whole (or sharded under jit), in a
   # shard_map of the clip's own, or inside the caller's.
-  if mesh is not None:
-    run = functools.partial(_sharded.run_in_shard_map, mesh=mesh, specs=specs)
-  elif specs is not None:
-    run = functools.partial(_sharded.run_on_shards, specs=specs)
-  else:
-    run = _dispatch.run_whole
+  held = "whole" if mesh is None and specs is None else "on_shards" if mesh is None else "mesh"
 
   def init_fn(params):
-    _, leaves, _ = _options.flatten(params)
-    return AndreaClipState(jnp.zeros((), _jax_norms.norm_dtype(leaves)), jnp.zeros((), bool),
+    _, leaves, _ = _tree.flatten(params)
+    return AndreaClipState(jnp.zeros((), _tree.norm_dtype(leaves)), jnp.zeros((), bool),
                            jnp.zeros((), jnp.int32), jnp.zeros((len(leaves),), jnp.float32),
                            *_spike.initial_stats())
 
   def update_fn(updates, state, params=None):
     del params
     stats = _spike.SpikeStats(*(getattr(state, f) for f in _spike.SpikeStats._fields))
-    if spike is None:
-      run_step = run
-    else:
-      # The spike policy only lowers the max_norm this step clips to (known from the
-      # statistics before the norm: see `_spike.clip_limit`); its verdict follows the norm.
-      def run_step(p, tree, **kwargs):
-        return run(p._replace(max_norm=_spike.clip_limit(spike, stats, p.max_norm)), tree,
-                   **kwargs)
-    result = _dispatch.clip(run_step, updates, max_norm, impl=impl, mode=mode,
-                            on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=True)
+    # The spike policy only lowers the max_norm this step clips to (known from the
+    # statistics before the norm: see `_spike.clip_limit`); its verdict follows the norm.
+    limit = None if spike is None else functools.partial(_spike.clip_limit, spike, stats)
+    result = _dispatch.clip(updates, max_norm, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
+                            scale=scale, feeds_consumer=True, held=held, mesh=mesh, specs=specs,
+                            limit=limit)
     if spike is not None and result.leaf_norms.shape[0]:  # a tree with leaves
       stats = _spike.step(spike, stats, result.global_norm, result.nonfinite)
     count = state.nonfinite_count + result.nonfinite.astype(jnp.int32)
@@ -187,39 +118,8 @@ def _over(old, new):
   state keeps its buffers from step to step, and XLA copies nothing and finds every address
   of its command buffers (CUDA graphs) unchanged, with no update. Left out, the write-only
   fields (the norms, `clipped`) got new buffers each step and made XLA re-record the whole
-  step's graph: 1-2 ms of the host's time per step on gpt120m."""
+  step's graph, a cost of the host's on every step (benchmarks/bench_dispatch.py times the
+  host's share of a call by the state it rewrites)."""
   return jnp.where(True, new, old)
 
 
-def named_leaf_norms(opt_state, params) -> dict:
-  """{path: norm} of the latest update's leaves, before clipping, e.g.
-  {"['layer_0']['kernel']": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
-  `clip_state`) paired with the paths of `params` (the tree the optimizer was made for).
-
-  For logging: the norms are Python floats, from one copy to the host. Inside `jax.jit`,
-  where they are traced, each is a traced scalar.
-  """
-  paths, _, _ = _options.flatten(params)
-  norms = clip_state(opt_state).leaf_norms
-  if norms.shape != (len(paths),):
-    raise ValueError(f"clipjax: the clip state holds {norms.shape[0]} leaf norms, but params "
-                     f"has {len(paths)} leaves; pass the params the optimizer was built for")
-  if not isinstance(norms, jax.core.Tracer):
-    norms = jax.device_get(norms).tolist()
-  return {_options.where(path): norms[i] for i, path in enumerate(paths)}
-
-
-def clip_state(opt_state) -> AndreaClipState:
-  """The first AndreaClipState inside a (nested) optimizer state."""
-  found = []
-
-  def visit(node):
-    if isinstance(node, AndreaClipState):
-      found.append(node)
-      return True
-    return False
-
-  jax.tree_util.tree_flatten(opt_state, is_leaf=visit)
-  if not found:
-    raise ValueError("clipjax: no AndreaClipState in this optimizer state; is andrea_clip in the chain?")
-  return found[0]

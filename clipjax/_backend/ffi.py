@@ -1,11 +1,12 @@
-"""The clipjax custom calls: native modules, registration, ffi_call.
+"""The custom-call implementation of the clip: the clipjax custom calls, as `ffi_call`s and
+a primitive of its own.
 
 Naming chain: kernels `k_grad_norm_partial`/`k_grad_norm_final`/`k_grad_scale`
 -> handlers `AndreaClipCpu`/`AndreaClipCuda` -> XLA target
-`"clipjax_andrea_clip"` -> `clipjax._ffi.clip_call`; and the scale stage alone
+`"clipjax_andrea_clip"` -> `clipjax._backend.ffi.clip_call`; and the scale stage alone
 (the sharded clip, whose decision follows an all-reduce): `k_scale_table` + `k_grad_scale`
 -> `AndreaScaleCpu`/`AndreaScaleCuda` -> `"clipjax_andrea_scale"` ->
-`clipjax._ffi.scale_call`.
+`clipjax._backend.ffi.scale_call`.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import numpy as np
 from jax import lax
 from jax.interpreters import batching, mlir
 
-from clipjax import _jax_impl, _native, _options, _sources
+from clipjax import _decision, _native, _options, _trace_reads
 
 TARGET = "clipjax_andrea_clip"
 SCALE_TARGET = "clipjax_andrea_scale"
 ACTIONS = {"keep": 0, "multiply": 1, "zero_fill": 2}  # LeafAction in cuda/andrea_clip_math.h
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Leaves per custom call. XLA's compile time grows faster than linearly in the number of
-# results a call aliases to its operands (at 4,000 leaves, 79 s on a CPU; 2.3 s as calls
-# of 250), so larger trees are clipped by several calls (see `_partition._whole_call`).
+# results a call aliases to its operands (benchmarks/bench_compile.py), so larger trees are
+# clipped by several calls (see `clipjax._partitioning.spmd`).
 MAX_LEAVES_PER_CALL = 256
 
 def num_chunks(sizes) -> int:
@@ -41,18 +42,18 @@ READ_AS = {None: 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 
 
 def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
-              norm_inputs: _sources.NormInputs | None = None):
+              norm_inputs: _trace_reads.NormInputs | None = None):
   """The clip of `leaves` in one custom call.
 
   `scale_by` says who multiplies the leaves by the clip's factor:
   - "kernel": the call runs all three kernels, and `k_grad_scale` writes the clipped leaves
     over its inputs (aliased), only when it clips;
   - "fused": the call runs the two norm kernels and returns its decision as multipliers;
-    the multiply is an XLA elementwise op (`_jax_impl.scale_by_rows`) that XLA fuses into
+    the multiply is an XLA elementwise op (`_decision.scale_by_rows`) that XLA fuses into
     whatever consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
-  `norm_inputs` (see `_sources.norm_sources`): what the norm kernels read where it is not
+  `norm_inputs` (see `_trace_reads.norm_sources`): what the norm kernels read where it is not
   `leaves` (the same values); "kernel" writes the leaves and reads them.
 
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
@@ -60,7 +61,9 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
   """
   n = len(leaves)
   in_place = scale_by == "kernel"
-  reads = _sources.NormInputs.as_stored(leaves) if in_place or norm_inputs is None else norm_inputs
+  reads = norm_inputs
+  if in_place or norm_inputs is None:
+    reads = _trace_reads.NormInputs.as_stored(leaves)
   sizes = reads.leaf_sizes()
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if in_place else []
   out_types += [
@@ -83,7 +86,7 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
   if scale_by is None:
     return None, norms, flags
   # The consumers read the four floats the call wrote, with no arithmetic between.
-  return (_jax_impl.scale_by_rows(multipliers, leaves, per_leaf=mode == "per_tensor"),
+  return (_decision.scale_by_rows(multipliers, leaves, per_leaf=mode == "per_tensor"),
           norms, flags)
 
 
@@ -92,7 +95,7 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
 
   Per leaf i (each argument a scalar, or one value per leaf): zeros where zero_fill[i],
   else the leaf unchanged where keep[i] (nothing is written), else x times the factor
-  scale[i] * 2**shift[i] (see `_jax_impl.decide`), in float32 where the factor is a
+  scale[i] * 2**shift[i] (see `_decision.decide`), in float32 where the factor is a
   normal float32 and else in float64, rounded once. Returns the leaves, aliased to the
   inputs.
   """
@@ -116,9 +119,9 @@ def scale_call(scale, shift, keep, zero_fill, leaves):
 
 # The scale call is a primitive of clipjax's own, not `jax.ffi.ffi_call`, so that it
 # constrains no layout. XLA copies every aliased operand of a custom call that constrains
-# its layouts before it assigns layouts, and removes the copies only passes later: at
-# 20,000 leaves, 20,000 copies that each of those passes walks, and a check in the fusion
-# pass that costs O(m^2) per copy of a call of m leaves. The call needs no layout: its
+# its layouts before it assigns layouts, and removes the copies only passes later: one copy
+# per leaf that each of those passes walks, and a check in the fusion pass that costs
+# O(m^2) per copy of a call of m leaves (benchmarks/bench_compile.py). The call needs no layout: its
 # kernel is elementwise, so any layout of a leaf is right (its result is the same buffer),
 # and its other operands have one dimension.
 _scale_p = jax.extend.core.Primitive(SCALE_TARGET)

@@ -2,8 +2,8 @@
 (Shardy or GSPMD) runs it on each device's shards instead of gathering them.
 
 `partitioned_clip` wraps the whole clip in `jax.experimental.custom_partitioning`: the
-custom call (`_ffi.clip_call`, impl="ffi"), or, on GPUs, the pure-JAX clip by rows
-(impl="jax"), which stacks the leaves' row sums (`_jax_norms.norms`): partitioned here,
+custom call (impl="ffi"), or, on GPUs, the pure-JAX clip by rows (impl="jax"), which
+stacks the leaves' row sums (`clipjax._backend.pure_jax.norms`): partitioned here,
 each device stacks its own, where XLA's partitioning of the stack would move them between
 devices.
 
@@ -12,7 +12,7 @@ devices.
   and flags need replication;
 - `_partition` accepts the operands as the partitioner laid them out (nothing is
   resharded) and lowers, per device, either the whole clip (every leaf whole on every
-  device) or `_shards.clip_shards` (norms of the local shards, an all-reduce of a few
+  device) or `per_shard.clip_shards` (norms of the local shards, an all-reduce of a few
   floats per leaf over the axes each leaf is split on, then the scale);
 - with a single device (`_nothing_to_partition`) the whole call is traced directly.
 
@@ -34,19 +34,8 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from clipjax import _ffi, _jax_impl, _shards, _sources
-
-
-def flat_outputs(out, norms, flags) -> tuple:
-  """A clip's (out_leaves or None, norms, flags) as one flat tuple of arrays."""
-  return (*(out or []), norms, flags)
-
-
-def pure_jax_clip(max_norm, leaves, *, by_rows: bool, mode, on_nonfinite, scale_by) -> tuple:
-  """The pure-JAX clip (`_jax_impl.clip_leaves`, by rows or leaf by leaf), flat."""
-  return flat_outputs(*_jax_impl.clip_leaves(
-      max_norm, list(leaves), mode=mode, on_nonfinite=on_nonfinite,
-      scale_leaves=scale_by is not None, by_rows=by_rows))
+from clipjax import _backend, _trace_reads
+from clipjax._partitioning import per_shard, specs
 
 
 def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
@@ -54,26 +43,27 @@ def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
 
   The leaves travel as one tuple, here and through `_batchable`, rather than as one
   argument each: JAX handles each positional argument of a custom_partitioning call
-  against every other (quadratic in their number: seconds at 20,000 leaves)."""
+  against every other (quadratic in their number: benchmarks/bench_compile.py)."""
   del ranks  # static: only the sharding rule reads it
   return _whole_clip(max_norm, list(leaves), impl=impl, mode=mode, on_nonfinite=on_nonfinite,
                      scale_by=scale_by)
 
 
 def _whole_clip(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=None):
-  """The clip of whole leaves. impl="ffi": one custom call, or for a tree of more than
-  `_ffi.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
-  with the decision between them (`_shards.clip_shards` with no mesh axes), the norms of
-  `norm_inputs` where given (`_sources.norm_sources`). impl="jax": the pure-JAX clip by rows
-  (`pure_jax_clip`), which is partitioned here only where it finishes its sums by rows
-  (see `_dispatch.run`)."""
+  """The clip of whole leaves, flat. impl="ffi": one custom call, or for a tree of more than
+  `_backend.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
+  with the decision between them (`per_shard.clip_shards` with no mesh axes), the norms of
+  `norm_inputs` where given (`_trace_reads.norm_sources`). impl="jax": the pure-JAX clip by
+  rows, which is partitioned here only where it finishes its sums by rows (see
+  `clipjax._dispatch.run`)."""
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
-  if impl == "jax":
-    return pure_jax_clip(max_norm, leaves, by_rows=True, **kwargs)
-  if len(leaves) <= _ffi.MAX_LEAVES_PER_CALL:
-    return flat_outputs(*_ffi.clip_call(max_norm, leaves, norm_inputs=norm_inputs, **kwargs))
-  return flat_outputs(*_shards.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
-                                           norm_inputs=norm_inputs, **kwargs))
+  if impl == "ffi" and len(leaves) > _backend.MAX_LEAVES_PER_CALL:
+    clipped = per_shard.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
+                                    norm_inputs=norm_inputs, **kwargs)
+  else:
+    clipped = _backend.clip(impl, max_norm, leaves, norm_inputs=norm_inputs, by_rows=True,
+                            **kwargs)
+  return _backend.flat_outputs(*clipped)
 
 
 def _sharding_rule(impl, mode, on_nonfinite, scale_by, ranks, mesh, operand_types,
@@ -133,7 +123,7 @@ def _partition(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, resu
   replicated = NamedSharding(mesh, PartitionSpec())
   leaf_shapes = arg_shapes[1]
   shardings = _leaf_shardings(mesh, leaf_shapes)
-  leaf_axes = [_shards.spec_axes(s.spec, f"#{i}") for i, s in enumerate(shardings)]
+  leaf_axes = [specs.spec_axes(s.spec, f"#{i}") for i, s in enumerate(shardings)]
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   leaf_axes = [tuple(a for a in axes if sizes[a] > 1) for axes in leaf_axes]
 
@@ -142,9 +132,9 @@ def _partition(impl, mode, on_nonfinite, scale_by, ranks, mesh, arg_shapes, resu
       return _whole_call(impl, mode, on_nonfinite, scale_by, (), max_norm, shards)
     masked = [_padding_mask(x, s.shape, sh.spec, mesh)
               for x, s, sh in zip(shards, leaf_shapes, shardings)]
-    norm_inputs = _sources.NormInputs.as_stored(
+    norm_inputs = _trace_reads.NormInputs.as_stored(
         [x if m is None else m for x, m in zip(shards, masked)])
-    return flat_outputs(*_shards.clip_shards(
+    return _backend.flat_outputs(*per_shard.clip_shards(
         max_norm, list(shards), leaf_axes, impl=impl, mode=mode, on_nonfinite=on_nonfinite,
         scale_by=scale_by, norm_inputs=norm_inputs, by_rows=True))
 
@@ -175,11 +165,11 @@ def _batchable(impl, mode, on_nonfinite, scale_by, ranks):
     unflat = lambda *xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
     if impl == "jax":
       # Batched by XLA, not in sequence: leaf by leaf, which XLA's partitioner splits.
-      outs = jax.vmap(lambda *xs: pure_jax_clip(*unflat(*xs), by_rows=False, mode=mode,
-                                                on_nonfinite=on_nonfinite, scale_by=scale_by),
-                      in_axes=axes)(*args)
+      outs = jax.vmap(lambda *xs: _backend.flat_outputs(*_backend.clip(
+          "jax", *unflat(*xs), by_rows=False, mode=mode, on_nonfinite=on_nonfinite,
+          scale_by=scale_by)), in_axes=axes)(*args)
     else:
-      outs = _ffi.in_sequence(lambda *xs: call(*unflat(*xs)), args, axes)
+      outs = _backend.in_sequence(lambda *xs: call(*unflat(*xs)), args, axes)
     return outs, (True,) * len(outs)
 
   return call
@@ -211,34 +201,34 @@ def clip_by_rows(leaves, *, mode: str, on_nonfinite: str, scale_by):
   - Leaves that their types do not split: `partitioned_clip`, which the partitioner runs on
     each device's shards.
   - Leaves split by their types, on one mesh whose axes are all Explicit: the clip in a
-    `shard_map` over the types' specs (`_shards.clip_in_shard_map`), each device stacking
+    `shard_map` over the types' specs (`per_shard.clip_in_shard_map`), each device stacking
     its own row sums.
   - None for leaves split by their types on a mesh that has Auto axes too, whose layout on
     those axes only the partitioner knows: the caller sums each leaf whole.
   """
   kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
   if not _split_by_type(leaves):
-    return lambda max_norm, *xs: flat_outputs(*partitioned_clip(max_norm, list(xs),
+    return lambda max_norm, *xs: _backend.flat_outputs(*partitioned_clip(max_norm, list(xs),
                                                                 impl="jax", **kwargs))
-  mesh, known = _shards.known_layout(leaves)
+  mesh, known = specs.known_layout(leaves)
   if mesh is None or None in known:
     return None
-  specs = [spec for _, spec in known]
-  leaf_axes = [_shards.spec_axes(spec, f"#{i}") for i, spec in enumerate(specs)]
-  return lambda max_norm, *xs: flat_outputs(*_shards.clip_in_shard_map(
-      max_norm, list(xs), mesh, specs, leaf_axes, impl="jax", by_rows=True, **kwargs))
+  leaf_specs = [spec for _, spec in known]
+  leaf_axes = [specs.spec_axes(spec, f"#{i}") for i, spec in enumerate(leaf_specs)]
+  return lambda max_norm, *xs: _backend.flat_outputs(*per_shard.clip_in_shard_map(
+      max_norm, list(xs), mesh, leaf_specs, leaf_axes, impl="jax", by_rows=True, **kwargs))
 
 
 def partitioned_clip(max_norm, leaves, *, impl: str, mode: str, on_nonfinite: str, scale_by,
                      norm_inputs=None):
   """The clip by `impl` ("ffi" or "jax"), partitioned per shard under jit (the contract of
-  `_ffi.clip_call`).
+  `_backend.clip`).
 
   On a single device the whole call is traced as it is, without `custom_partitioning` and
-  `custom_vmap`, whose per-leaf work costs time and memory on many leaves (at 20,000
-  leaves, about 2 s of tracing and 90 MB held until the compile ends); the custom calls
+  `custom_vmap`, whose per-leaf work costs time and memory on many leaves
+  (benchmarks/bench_compile.py); the custom calls
   then batch under `jax.vmap` by themselves, one call per batch element. Only there do
-  the norms read `norm_inputs` (`_sources.norm_sources`) where given."""
+  the norms read `norm_inputs` (`_trace_reads.norm_sources`) where given."""
   if _nothing_to_partition():
     outs = _whole_clip(max_norm, list(leaves), impl=impl, mode=mode,
                        on_nonfinite=on_nonfinite, scale_by=scale_by, norm_inputs=norm_inputs)

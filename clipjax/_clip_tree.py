@@ -1,0 +1,127 @@
+"""The clip as a function of a tree: `clip_tree` and `global_norm` on the tree as the caller
+holds it (whole, or sharded under `jax.jit`, where each device clips its own shards), and
+the explicit `shard_map` forms, for code that maps over a mesh itself:
+`clip_tree_in_shard_map` inside the caller's own `shard_map`, and `sharded_clip_tree`,
+which runs the clip in a `shard_map` of its own. Called outside jit, `sharded_clip_tree`
+runs as one jitted call, cached like any jitted function: a shard_map run eagerly is
+traced and compiled anew at every call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from clipjax import _dispatch, _options, _tree
+from clipjax._partitioning import specs as _specs
+from clipjax._tree import ClipResult
+
+
+def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
+              on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
+  """Clips a pytree of gradients by its global norm (or per leaf).
+
+  Returns a ClipResult: the clipped tree, the norm before clipping, whether it
+  was clipped, whether the norm was NaN/inf, and per-leaf norms. None leaves and
+  optax.MaskedNode are skipped and kept as they are. A tree with a float64 leaf
+  (with jax_enable_x64) is clipped in float64, norms included; else in float32.
+
+  `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
+  result, and k_grad_scale writes it only when it clips.
+  """
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+  return _dispatch.clip(tree, max_norm, impl=impl, mode=mode,
+                        on_nonfinite=on_nonfinite, scale=scale, feeds_consumer=False)
+
+
+def global_norm(tree, *, impl: str = "auto") -> jax.Array:
+  """The global L2 norm of every element of every leaf of `tree`: float32, or
+  float64 for a tree with a float64 leaf.
+
+  Squares are accumulated without overflow or underflow for any input (float64
+  in the custom call; rescaling in JAX).
+  """
+  _options.check_options(1.0, impl, "global", "propagate")  # any valid max_norm
+  _, leaves, _ = _dispatch.leaves_of(tree, impl)
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  max_norm, _ = _dispatch.max_norm_operand(1.0, "propagate", _tree.norm_dtype(leaves))
+  _, norms, _ = _dispatch.run(max_norm, leaves, impl=impl, mode="global",
+                              on_nonfinite="propagate", scale_by=None)
+  return norms[0]
+
+
+def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "auto",
+                      mode: str = "global", on_nonfinite: str = "propagate",
+                      scale: str = "auto") -> ClipResult:
+  """`clip_tree` for gradients sharded over a mesh: each device clips its own shards.
+
+  The clip runs inside `shard_map` over `mesh`: every device computes the norms
+  of its shards, the per-leaf sums of squares are combined with a psum over the
+  mesh axes each leaf is sharded on, and every device scales its shards by the
+  same factor. Nothing gradient-sized moves between devices. The result is the
+  clip of the whole tree (as `clip_tree` on one device), sharded as it came.
+
+  Args:
+    tree: the gradients; under jit, sharded as `specs` say (a leaf laid out
+      otherwise is resharded by XLA before the clip).
+    max_norm, impl, mode, on_nonfinite, scale: as for `clip_tree`.
+    mesh: the jax.sharding.Mesh the gradients are sharded over. Left out, it
+      is read from the leaves (see `specs`).
+    specs: a PartitionSpec per leaf: a pytree of them shaped like `tree`, or a
+      prefix of it (one `P()` for a replicated tree). Left out, each leaf's spec
+      is read from the leaf: a concrete array with a NamedSharding, or, inside
+      jit, an array on a mesh whose axes are all Explicit.
+
+  Returns:
+    A ClipResult; the norms and flags are the same on every device.
+  """
+  options = dict(impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale)
+  paths, leaves, treedef = _tree.flatten(tree)
+  if leaves and not any(isinstance(x, jax.core.Tracer) for x in [max_norm, *leaves]):
+    _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+    mesh, leaf_specs, _ = _specs.mesh_and_specs(mesh, specs, tree, paths, leaves)
+    return _sharded_clip_jitted(tree, max_norm, mesh=mesh, treedef=treedef,
+                                leaf_specs=tuple(leaf_specs), **options)
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+  return _dispatch.clip(tree, max_norm, feeds_consumer=False, held="mesh", mesh=mesh,
+                        specs=specs, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "treedef", "leaf_specs", "impl", "mode",
+                                             "on_nonfinite", "scale"))
+def _sharded_clip_jitted(tree, max_norm, *, mesh, treedef, leaf_specs, impl, mode,
+                         on_nonfinite, scale):
+  """sharded_clip_tree outside jit: the mesh and the specs (one per leaf, as hashable
+  static arguments) are known, so the jit cache keys on them and the tree's shapes."""
+  specs = jax.tree_util.tree_unflatten(treedef, leaf_specs)
+  return _dispatch.clip(tree, max_norm, held="mesh", mesh=mesh, specs=specs, impl=impl,
+                        mode=mode, on_nonfinite=on_nonfinite, scale=scale,
+                        feeds_consumer=False)
+
+
+def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: str = "global",
+                           on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
+  """`clip_tree` called inside the caller's own `shard_map` on local shards.
+
+  Args:
+    tree: this device's shards of the gradients.
+    max_norm, impl, mode, on_nonfinite, scale: as for `clip_tree`.
+    specs: the PartitionSpecs the gradients have in the enclosing shard_map
+      (its in_specs for them): a pytree shaped like `tree`, or a prefix of it.
+      Only the mesh axes they name matter: a leaf is summed over those axes,
+      so a spec must name every axis the leaf is split over, and no other.
+
+  Returns:
+    A ClipResult holding this device's clipped shards; the norms and flags
+    are the same on every device.
+  """
+  if specs is None:
+    raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "
+                     "gradients (the in_specs given to shard_map for them)")
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
+  return _dispatch.clip(tree, max_norm, held="on_shards", specs=specs,
+                        impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale,
+                        feeds_consumer=False)
