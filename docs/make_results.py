@@ -109,10 +109,33 @@ def readme_table(records):
   return "\n".join(lines)
 
 
+def _subplots(columns, width):
+  """A figure of `columns` axes side by side, drawn without a display."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt.subplots(1, columns, figsize=(width, 3.4))
+
+
+def _label(axes_titles, ticks, fontsize=10):
+  """Category ticks, a title and a light grid on each of the (axes, title) pairs."""
+  for ax, title in axes_titles:
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=fontsize)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _save(fig, path, legend_axes):
+  import matplotlib.pyplot as plt
+  legend_axes.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def figure_recipes(records, path):
   """Largest gradient norm and final loss of each recipe at both sizes."""
-  import matplotlib.pyplot as plt
-  fig, (ax_norm, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4))
+  fig, (ax_norm, ax_loss) = _subplots(2, 9)
   width = 0.38
   for i, (name, label) in enumerate((("recipes_12m_h200", "andrea-12m"),
                                      ("recipes_120m_h200", "andrea-120m"))):
@@ -121,24 +144,17 @@ def figure_recipes(records, path):
     ax_norm.bar(xs, [r["largest norm"] for r in rows], width, label=label)
     ax_loss.bar(xs, [r["last-10 loss"] for r in rows], width, label=label)
     ticks = [r["run"] for r in rows]
-  for ax, title in ((ax_norm, "largest pre-clip gradient norm"),
-                    (ax_loss, "loss, mean of the last 10 steps")):
-    ax.set_xticks(range(len(ticks)), ticks)
-    ax.set_title(title, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
+  _label(((ax_norm, "largest pre-clip gradient norm"),
+          (ax_loss, "loss, mean of the last 10 steps")), ticks)
   ax_norm.set_yscale("log")
   ax_norm.axhline(1.0, color="k", lw=0.8, ls=":")
-  ax_norm.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _save(fig, path, ax_norm)
 
 
 def figure_lr_sweep(records, path):
   """Lowest 50-step mean loss against the peak learning rate, each seed a point."""
-  import matplotlib.pyplot as plt
   _, rows = table(records["lr_sweep_120m_h200"])
-  fig, ax = plt.subplots(figsize=(5.2, 3.4))
+  fig, ax = _subplots(1, 5.2)
   for recipe, marker in (("v1", "o"), ("v2", "s")):
     mine = [r for r in rows if r["recipe"] == recipe]
     ax.scatter([r["peak lr"] for r in mine], [r["lowest 50-step mean loss"] for r in mine],
@@ -152,18 +168,14 @@ def figure_lr_sweep(records, path):
   ax.set_ylabel("lowest 50-step mean loss")
   ax.set_title("andrea-120m, 800 steps, seeds 0-2", fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _save(fig, path, ax)
 
 
 def figure_fallback_vs_cuda(records, path):
   """The training step without a clip and with each, and each clip alone."""
-  import matplotlib.pyplot as plt
   _, rows = table(records["fallback_vs_cuda_timing_h200"])
   configs = sorted({r["config"] for r in rows}, reverse=True)
-  fig, (ax_step, ax_clip) = plt.subplots(1, 2, figsize=(9, 3.4))
+  fig, (ax_step, ax_clip) = _subplots(2, 9)
   width = 0.27
   for j, config in enumerate(configs):
     by_clip = {r["clip"]: r for r in rows if r["config"] == config}
@@ -174,36 +186,26 @@ def figure_fallback_vs_cuda(records, path):
     for k, clip in enumerate(("jax", "ffi")):
       ax_clip.bar(j + (k - 0.5) * width, by_clip[clip]["clip alone, scaling (ms)"], width,
                   color=f"C{k + 1}")
-  for ax, title in ((ax_step, "training step (ms)"), (ax_clip, "the clip alone, scaling (ms)")):
-    ax.set_xticks(range(len(configs)), configs, fontsize=8)
-    ax.set_title(title, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-  ax_step.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _label(((ax_step, "training step (ms)"), (ax_clip, "the clip alone, scaling (ms)")), configs,
+         fontsize=8)
+  _save(fig, path, ax_step)
 
 
 def figure_clip_alone(records, path):
   """The clip alone on one GPU: the custom call and optax against the memory floor."""
-  import matplotlib.pyplot as plt
   _, rows = table(records["clip_alone_h200"])
   labels = [f"{r['tree']}\n{r['dtype, regime']}" for r in rows]
-  fig, ax = plt.subplots(figsize=(9, 3.4))
+  fig, ax = _subplots(1, 9)
   width = 0.27
   for k, (column, label) in enumerate((("floor", "memory floor"),
                                        ("andrea_clip (device)", "andrea_clip"),
                                        ("optax (device)", "optax.clip_by_global_norm"))):
     ax.bar([j + (k - 1) * width for j in range(len(rows))], [r[column] for r in rows], width,
            label=label)
-  ax.set_xticks(range(len(rows)), labels, fontsize=7)
+  _label(((ax, ""),), labels, fontsize=7)
   ax.set_yscale("log")
   ax.set_ylabel("device time per clip (us)")
-  ax.grid(axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _save(fig, path, ax)
 
 
 FIGURES = {
@@ -216,8 +218,6 @@ FIGURES = {
 
 def main(out_dir=GENERATED, results_dir=RESULTS):
   """Write every record's include and every figure into `out_dir`; returns their paths."""
-  import matplotlib
-  matplotlib.use("Agg")
   records = load_records(results_dir)
   os.makedirs(out_dir, exist_ok=True)
   written = []
