@@ -9,7 +9,8 @@ One decision, used by every step of a build:
   to a CPU-only one of the same version, and the newer CUDA to the older;
 - CMakeLists.txt runs this file (`python clipjax_build.py cuda-compiler`, `... variant`)
   for the compiler it builds the CUDA custom call with, and for the variant it records in
-  the package (`clipjax.__version__` names it).
+  the package (`clipjax.__version__` names it); scripts/build_wheels.sh asks it which
+  packages to install for a compiler (`... requirements`).
 
 A compiler is looked for in this order: $CUDACXX, `nvcc` on the PATH, $CUDA_HOME,
 $CUDA_PATH, then NVIDIA's `nvidia-cuda-nvcc` package installed beside the build (a toolkit
@@ -160,7 +161,8 @@ def _compiler_path() -> str:
 
 
 def main(argv: list[str]) -> int:
-  commands = {"cuda-compiler": _compiler_path, "variant": variant}
+  commands = {"cuda-compiler": _compiler_path, "variant": variant,
+              "requirements": lambda: " ".join(compiler_requirements())}
   if len(argv) != 1 or argv[0] not in commands:
     print(f"usage: python clipjax_build.py {{{','.join(commands)}}}", file=sys.stderr)
     return 2

@@ -44,7 +44,8 @@ def _cuda_facts(module) -> list[str]:
   if not built:
     return lines
   load_error = _native._load_errors.get("cuda")
-  lines.append(f"    loads: {'no: ' + load_error if module is None and load_error else 'yes'}")
+  lines.append(f"    loads: {'no: ' + load_error if module is None and load_error else 'yes'}"
+               + (f" ({module.__name__})" if module is not None else ""))
   devices = _native.cuda_devices()
   lines.append(f"    CUDA devices visible: {len(devices) or 'none'}")
   driver = _native.driver_cuda_version()

@@ -7,12 +7,16 @@
 #   scripts/build_wheels.sh OUTDIR
 #   PYTHONS=python3.12 scripts/build_wheels.sh OUTDIR     # the listed interpreters only
 #
+#   CUDA12_HOME=build/cuda-12 scripts/build_wheels.sh OUTDIR
+#       # each wheel also holds a module of CUDA 12 kernels, which clipjax loads where the
+#       # driver is too old for CUDA 13's (a toolkit from scripts/cuda12_toolkit.sh)
+#
 # The host compiler is zig's clang from PyPI (build_support/zig-c++) for glibc 2.28, with
 # libc++ linked statically; nvcc compiles the kernels with the machine's gcc (nvcc refuses
 # libc++ on x86), whose object needs only C functions and the C++ ABI, which the zig link
-# takes from glibc 2.28's stubs and libc++abi. The kernels do not depend on Python: the
-# first wheel compiles them, the others link that library. CUDA comes from the machine's
-# nvcc or NVIDIA's from PyPI (build_support/clipjax_build.py decides).
+# takes from glibc 2.28's stubs and libc++abi. The kernels do not depend on Python: they
+# are compiled once (CMake's CLIPJAX_KERNELS_ONLY) and linked into every wheel. CUDA 13
+# comes from the machine's nvcc or NVIDIA's from PyPI (build_support/clipjax_build.py).
 set -euo pipefail
 OUT=${1:?usage: scripts/build_wheels.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -43,21 +47,34 @@ python3 -m venv "$WORK/tools"
 command -v cuobjdump >/dev/null 2>&1 ||
   "$WORK/tools/bin/pip" install -q "nvidia-cuda-cuobjdump>=13.2,<14"
 cuobjdump=$(command -v cuobjdump || ls "$WORK"/tools/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
+# NVIDIA's compiler from PyPI, where the machine has none.
+compiler=$("$WORK/tools/bin/python" build_support/clipjax_build.py requirements)
+[[ -z "$compiler" ]] || "$WORK/tools/bin/pip" install -q $compiler
 export CXX=$PWD/build_support/zig-c++
 export CLIPJAX_ZIG_TARGET=$ARCH-linux-gnu.$GLIBC
 CLIPJAX_ZIG=$("$WORK/tools/bin/python" -c "import ziglang, os; print(os.path.join(os.path.dirname(ziglang.__file__), 'zig'))")
 export CLIPJAX_ZIG
 
+# The kernels, once: CMake's variable for the wheels' builds, and the folder to build in.
+compile_kernels() {
+  local variable=$1 folder=$2
+  step "the CUDA kernels ($variable)"
+  cmake -S . -B "$folder" -G Ninja -DCLIPJAX_KERNELS_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
+    -DPython_EXECUTABLE="$WORK/tools/bin/python"
+  cmake --build "$folder"
+  kernels+=(--config-settings=cmake.define."$variable"="$folder/kernels.cmake")
+}
 kernels=()
+compile_kernels CLIPJAX_KERNELS "$WORK/kernels"
+if [[ -n "${CUDA12_HOME:-}" ]]; then
+  CUDACXX=$(cd "$CUDA12_HOME" && pwd)/bin/nvcc compile_kernels CLIPJAX_CUDA12_KERNELS "$WORK/kernels-cu12"
+fi
+
 for python in $PYTHONS; do
   tag=$("$python" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
   step "$tag: build ($python)"
   "$python" -m pip wheel --no-deps -w "$WORK/raw-$tag" --config-settings=build-dir="$WORK/$tag" \
     "${kernels[@]}" .
-  library=$(find "$WORK/$tag" -name libclipjax_kernels.a | head -1)
-  if [[ ${#kernels[@]} -eq 0 && -n "$library" ]]; then
-    kernels=(--config-settings=cmake.define.CLIPJAX_KERNELS_LIBRARY="$library")
-  fi
   step "$tag: repair and check"
   "$WORK/tools/bin/python" -m auditwheel repair --plat "$PLAT" -w "$OUT" "$WORK/raw-$tag"/clipjax-*.whl
   "$WORK/tools/bin/python" scripts/check_wheel.py --python "$python" --cuobjdump "$cuobjdump" \

@@ -7,7 +7,9 @@ Fails (exit 1) naming every check that did not hold:
 - `auditwheel show` finds it consistent with manylinux_2_28 or older, and its name says so;
 - it holds the CPU and the CUDA module, and `_variant.py` names a CUDA build;
 - the CUDA module holds real code for sm_80 to sm_120 and PTX for sm_80, which the driver
-  compiles for any newer GPU (`cuobjdump --list-elf`, `--list-ptx`);
+  compiles for any newer GPU (`cuobjdump --list-elf`, `--list-ptx`); the module of CUDA 12
+  kernels, where the wheel holds one (clipjax/_cuda12/), sm_80 to sm_90 (the CUDA 12
+  compiler that installs here, 12.4, knows no newer) and PTX for sm_80;
 - every symbol the modules take from a system library carries a glibc version no newer
   than 2.28 (an unversioned one would bind to whatever the loader finds), Python's aside;
 - both modules load in PYTHON (by default this one), without jax: a module's own
@@ -26,12 +28,13 @@ import zipfile
 from pathlib import Path
 
 MAX_GLIBC = (2, 28)
-SASS = {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
+SASS = {"_clipjax_cuda": {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"},
+        "_cuda12/_clipjax_cuda": {"sm_80", "sm_86", "sm_89", "sm_90"}}
 PTX = {"sm_80"}
 LOAD = """
 import importlib.util, sys
 for path in sys.argv[1:]:
-  name = "clipjax." + path.rsplit("/", 1)[-1].split(".")[0]
+  name = "clipjax." + path.split("clipjax/", 1)[1].split(".")[0].replace("/", ".")
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -61,12 +64,13 @@ def check_tag(wheel: Path) -> list[str]:
   return problems
 
 
-def check_architectures(module: Path, cuobjdump: str) -> list[str]:
+def check_architectures(module: Path, sass: set[str], cuobjdump: str) -> list[str]:
   problems = []
-  for flag, want in (("--list-elf", SASS), ("--list-ptx", PTX)):
+  for flag, want in (("--list-elf", sass), ("--list-ptx", PTX)):
     listing = subprocess.run([cuobjdump, flag, str(module)], capture_output=True, text=True)
     have = set(re.findall(r"\.(sm_\d+)\.", listing.stdout))
-    print(f"cuobjdump {flag}: {' '.join(sorted(have, key=lambda a: int(a[3:])))}")
+    print(f"{module.parent.name}/{module.name}: cuobjdump {flag}: "
+          f"{' '.join(sorted(have, key=lambda a: int(a[3:])))}")
     if have != want:
       problems.append(f"cuobjdump {flag}: {sorted(have)}, not {sorted(want)}")
   return problems
@@ -97,17 +101,19 @@ def check(wheel: Path, python: str, cuobjdump: str | None) -> list[str]:
     package = Path(folder) / "clipjax"
     modules = {kind: next(package.glob(f"_clipjax_{kind}.*.so"), None) for kind in ("cpu", "cuda")}
     problems += [f"no {kind.upper()} module" for kind, path in modules.items() if path is None]
+    cuda12 = next(package.glob("_cuda12/_clipjax_cuda.*.so"), None)
     variant = (package / "_variant.py").read_text() if (package / "_variant.py").exists() else ""
     if 'VARIANT = "cu' not in variant:
       problems.append(f"_variant.py names no CUDA build: {variant!r}")
-    present = [path for path in modules.values() if path is not None]
+    present = [path for path in (*modules.values(), cuda12) if path is not None]
     for path in present:
       problems += check_symbols(path)
-    if modules["cuda"] is not None:
-      if cuobjdump:
-        problems += check_architectures(modules["cuda"], cuobjdump)
-      else:
-        problems.append("no cuobjdump to list the CUDA module's architectures")
+    for path, sass in ((modules["cuda"], SASS["_clipjax_cuda"]),
+                       (cuda12, SASS["_cuda12/_clipjax_cuda"])):
+      if path is not None and cuobjdump:
+        problems += check_architectures(path, sass, cuobjdump)
+    if not cuobjdump:
+      problems.append("no cuobjdump to list the CUDA modules' architectures")
     loaded = subprocess.run([python, "-c", LOAD, *map(str, present)], capture_output=True,
                             text=True, cwd=folder)
     print(loaded.stdout.strip())

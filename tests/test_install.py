@@ -35,8 +35,10 @@ class FakeCudaModule:
   BUILD = {"architectures": "80-real 86-real 89-real 90-real 100-real 120", "compiler": "13.0.88",
            "runtime": 13000}
 
-  def __init__(self, error):
+  def __init__(self, error, runtime=13000, name="clipjax._clipjax_cuda"):
     self.error = error
+    self.BUILD = dict(self.BUILD, runtime=runtime)
+    self.__name__ = name
 
   def kernel_image(self, device):
     del device
@@ -178,7 +180,7 @@ def test_the_report_never_calls_the_cuda_module_usable_without_a_device(monkeypa
   lines = report._handler_lines("cuda")
   assert lines[0] == "  cuda: NOT usable here: no CUDA device is visible"
   assert lines[1].startswith("    built: yes (nvcc 13.0.88, CUDA runtime 13.0 linked statically")
-  assert lines[2:5] == ["    loads: yes", "    CUDA devices visible: none",
+  assert lines[2:5] == ["    loads: yes (clipjax._clipjax_cuda)", "    CUDA devices visible: none",
                         "    NVIDIA driver: none found; this build needs NVIDIA driver "
                         "580.65.06 or later (one for CUDA 13.0 or later)"]
 
@@ -213,6 +215,23 @@ def test_the_report_of_a_module_that_does_not_load(monkeypatch):
     (12080, 12020, False), (12000, 11080, True)])
 def test_the_driver_rule_is_the_cuda_major(runtime, driver, too_old):
   assert _native.driver_too_old(runtime, driver) is too_old
+
+
+@pytest.mark.parametrize("driver, loaded", [
+    (None, "_clipjax_cuda"), (13000, "_clipjax_cuda"), (12020, "_cuda12._clipjax_cuda")])
+def test_a_driver_too_old_for_cuda_13_gets_the_cuda_12_module(monkeypatch, driver, loaded):
+  """A release wheel holds the kernels twice: built with CUDA 13, and with CUDA 12 for
+  drivers from 525 on; clipjax loads the one the driver runs."""
+  monkeypatch.setattr(_native, "_installed", lambda name: True)
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: driver)
+  monkeypatch.setattr(_native.importlib, "import_module", lambda name: FakeCudaModule(""))
+  assert _native.cuda_module_name() == loaded
+
+
+def test_without_a_cuda_12_module_the_first_is_loaded_whatever_the_driver(monkeypatch):
+  monkeypatch.setattr(_native, "_installed", lambda name: name == "_clipjax_cuda")
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: 12020)
+  assert _native.cuda_module_name() == "_clipjax_cuda"
 
 
 def test_this_machine_has_no_driver_and_the_report_says_so(tmp_path):
