@@ -188,3 +188,29 @@ def test_a_release_wheel_wins_over_a_local_cpu_build(tmp_path):
   a_wheel(tmp_path, "cpu")
   a_wheel(tmp_path, "cu13", platform="manylinux_2_28_x86_64")
   assert "-13cuda-" in pip_picks(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA's compiler is fetched on Linux alone")
+def test_pip_offline_without_a_compiler_prints_the_one_line(tmp_path):
+  """`pip wheel .` with PIP_NO_INDEX=1, no nvcc, and the build system's own packages in a
+  find-links folder (fetched first: skipped where PyPI is out of reach)."""
+  links = tmp_path / "links"
+  fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(links),
+                            "scikit-build-core>=0.10"], capture_output=True, timeout=300)
+  if fetched.returncode != 0:
+    pytest.skip("scikit-build-core cannot be fetched here")
+  no_nvcc = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                            if not os.path.isfile(os.path.join(d, "nvcc")))
+  env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_HOME", "CUDA_PATH",
+                                                          "CLIPJAX_CUDA", "PIP_CONSTRAINT")}
+  env.update(PATH=no_nvcc, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links),
+             PIP_CONFIG_FILE=os.devnull)
+  result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w",
+                           str(tmp_path / "out"), str(ROOT)], capture_output=True, text=True,
+                          env=env, timeout=600)
+  assert result.returncode != 0
+  lines = [line.strip() for line in result.stdout.splitlines() + result.stderr.splitlines()
+           if line.strip().startswith("clipjax: ")]
+  assert len(lines) == 1, result.stdout + result.stderr
+  assert "no CUDA compiler" in lines[0] and "CLIPJAX_CUDA=0" in lines[0]
