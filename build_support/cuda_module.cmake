@@ -29,11 +29,17 @@ macro(clipjax_compile_kernels NVCC TARGET)
   endif()
   message(STATUS "clipjax: compiling the CUDA kernels with ${CMAKE_CUDA_COMPILER} "
                  "(CUDA ${CMAKE_CUDA_COMPILER_VERSION}) for ${CMAKE_CUDA_ARCHITECTURES}")
-  find_package(CUDAToolkit REQUIRED)
+  # The static runtime, where the compiler links from (CMake's FindCUDAToolkit also wants
+  # an unversioned libcudart.so, which NVIDIA's wheels on PyPI do not have).
+  find_library(CLIPJAX_CUDART_STATIC cudart_static REQUIRED NO_DEFAULT_PATH
+               HINTS ${CMAKE_CUDA_IMPLICIT_LINK_DIRECTORIES})
+  find_package(Threads REQUIRED)
   add_library(${TARGET} STATIC cuda/andrea_clip_kernels.cu)
   target_include_directories(${TARGET} PRIVATE cuda)
+  target_include_directories(${TARGET} INTERFACE ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
   target_compile_options(${TARGET} PRIVATE --expt-relaxed-constexpr -lineinfo)
-  target_link_libraries(${TARGET} PUBLIC CUDA::cudart_static)
+  target_link_libraries(${TARGET} PUBLIC
+                        "${CLIPJAX_CUDART_STATIC}" Threads::Threads ${CMAKE_DL_LIBS} rt)
   string(REPLACE ";" " " clipjax_architectures "${CMAKE_CUDA_ARCHITECTURES}")
   set_target_properties(${TARGET} PROPERTIES
     CLIPJAX_ARCHITECTURES "${clipjax_architectures}"
@@ -42,8 +48,8 @@ macro(clipjax_compile_kernels NVCC TARGET)
 "set(CLIPJAX_KERNELS_LIBRARY \"$<TARGET_FILE:${TARGET}>\")
 set(CLIPJAX_KERNELS_ARCHITECTURES \"${clipjax_architectures}\")
 set(CLIPJAX_KERNELS_COMPILER_VERSION \"${CMAKE_CUDA_COMPILER_VERSION}\")
-set(CLIPJAX_KERNELS_INCLUDE_DIRS \"${CUDAToolkit_INCLUDE_DIRS}\")
-set(CLIPJAX_KERNELS_RUNTIME \"${CUDA_cudart_static_LIBRARY}\")
+set(CLIPJAX_KERNELS_INCLUDE_DIRS \"${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES}\")
+set(CLIPJAX_KERNELS_RUNTIME \"${CLIPJAX_CUDART_STATIC}\")
 ")
 endmacro()
 

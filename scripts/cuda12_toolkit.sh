@@ -3,8 +3,7 @@
 # drivers run. PyPI has none (`nvidia-cuda-nvcc-cu12` holds ptxas and libnvvm, no nvcc);
 # Debian 13's non-free archive has CUDA 12.4: this takes its compiler (nvidia-cuda-toolkit,
 # libnvvm4), the runtime's headers and static library (nvidia-cuda-dev, of which nothing
-# else is kept), the shared runtime (libcudart12) and libcu++'s headers (libcu++-dev),
-# without installing any of them. The
+# else is kept) and libcu++'s headers (libcu++-dev), without installing any of them. The
 # binaries are NVIDIA's own, built for old glibcs; the host compiler stays the machine's gcc.
 #
 #   scripts/cuda12_toolkit.sh build/cuda-12      # then CUDA12_HOME=build/cuda-12
@@ -21,9 +20,9 @@ apt_options=(-o Dir::Etc::SourceList="$apt_dir/sources.list" -o Dir::Etc::Source
              -o Dir::State::status=/dev/null -o APT::Sandbox::User=root)
 apt-get "${apt_options[@]}" update -qq
 (cd "$apt_dir/debs" &&
- apt-get "${apt_options[@]}" download -qq nvidia-cuda-toolkit libnvvm4 nvidia-cuda-dev libcu++-dev libcudart12)
+ apt-get "${apt_options[@]}" download -qq nvidia-cuda-toolkit libnvvm4 nvidia-cuda-dev libcu++-dev)
 root=$apt_dir/root
-for deb in "$apt_dir"/debs/{nvidia-cuda-toolkit,libnvvm4,libcu++-dev,libcudart12}_*.deb; do
+for deb in "$apt_dir"/debs/{nvidia-cuda-toolkit,libnvvm4,libcu++-dev}_*.deb; do
   dpkg-deb -x "$deb" "$root"
 done
 dpkg-deb --fsys-tarfile "$apt_dir"/debs/nvidia-cuda-dev_*.deb |
@@ -41,9 +40,6 @@ cp "$toolkit"/libdevice/* "$DIR/nvvm/libdevice/"
 for tool in ptxas fatbinary cudafe++ nvlink bin2c cuobjdump; do cp "$root/usr/bin/$tool" "$DIR/bin/"; done
 cp -r "$root/usr/include" "$DIR/include"
 cp "$root"/usr/lib/x86_64-linux-gnu/*.a "$DIR/lib64/"
-# The shared runtime, which CMake's FindCUDAToolkit looks for (the module links the static).
-cp -P "$root"/usr/lib/x86_64-linux-gnu/libcudart.so.12* "$DIR/lib64/"
-ln -sf "$(basename "$(ls "$DIR"/lib64/libcudart.so.12.*)")" "$DIR/lib64/libcudart.so"
 cat >"$DIR/bin/nvcc.profile" <<'EOF'
 TOP              = $(_HERE_)/..
 NVVMIR_LIBRARY_DIR = $(TOP)/nvvm/libdevice
