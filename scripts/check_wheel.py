@@ -77,20 +77,33 @@ def check_architectures(module: Path, sass: set[str], cuobjdump: str) -> list[st
 
 
 def check_symbols(module: Path) -> list[str]:
-  """Symbols taken from system libraries: each versioned, no newer than glibc 2.28."""
-  problems = []
+  """Symbols taken from system libraries: each with a glibc version no newer than 2.28
+  (none from libstdc++ or libgcc, which the release links in), one line per kind."""
   table = subprocess.run(["nm", "-D", "--undefined-only", str(module)], capture_output=True,
                          text=True, check=True).stdout
+  newer, other, unversioned = set(), set(), set()
   for line in table.splitlines():
-    symbol = line.split()[-1]
+    kind, symbol = line.split()[0], line.split()[-1]
     name, _, version = symbol.partition("@")
-    if name.startswith(("Py", "_Py")) or line.split()[0] == "w":
+    version = version.lstrip("@")
+    numbers = re.fullmatch(r"GLIBC_(\d+)\.(\d+)(?:\.\d+)?", version)
+    if name.startswith(("Py", "_Py")) or kind == "w":
       continue
-    numbers = re.fullmatch(r"GLIBC_(\d+)\.(\d+)(?:\.\d+)?", version.lstrip("@"))
-    if not numbers:
-      problems.append(f"{module.name} takes {symbol} from the system without a glibc version")
-    elif (int(numbers.group(1)), int(numbers.group(2))) > MAX_GLIBC:
-      problems.append(f"{module.name} needs {symbol}")
+    if numbers:
+      if (int(numbers.group(1)), int(numbers.group(2))) > MAX_GLIBC:
+        newer.add(symbol)
+    elif version:
+      other.add(version.split("_")[0])
+    else:
+      unversioned.add(name)
+  problems = []
+  if newer:
+    problems.append(f"{module.name} needs glibc newer than 2.28: {', '.join(sorted(newer)[:5])}")
+  if other:
+    problems.append(f"{module.name} takes symbols of {', '.join(sorted(other))} from the system")
+  if unversioned:
+    problems.append(f"{module.name} takes {len(unversioned)} symbols from the system without a "
+                    f"version: {', '.join(sorted(unversioned)[:5])}")
   return problems
 
 
