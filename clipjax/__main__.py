@@ -8,6 +8,7 @@ each backend.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import platform
 import sys
@@ -67,6 +68,24 @@ def _cuda_facts(module) -> list[str]:
   return lines
 
 
+def _other_cuda_modules(loaded) -> list[str]:
+  """The install's CUDA modules that were not loaded (a release wheel holds CUDA 13 and
+  CUDA 12 kernels), and the driver each needs."""
+  lines = []
+  for name in (_native._NATIVE_MODULES["cuda"], _native._CUDA12_MODULE):
+    full = f"clipjax.{name}"
+    if (loaded is not None and loaded.__name__ == full) or not _native._installed(name):
+      continue
+    try:
+      runtime = importlib.import_module(full).BUILD["runtime"]
+    except ImportError as e:
+      lines.append(f"    also holds {full}, which does not load: {e}")
+      continue
+    lines.append(f"    also holds {full}: CUDA {_native.cuda_text(runtime)} kernels, for "
+                 f"{_native.driver_needed(runtime)}")
+  return lines
+
+
 def _handler_lines(name: str) -> list[str]:
   problem = _native.handler_problem(name)
   if problem is not None:
@@ -78,6 +97,8 @@ def _handler_lines(name: str) -> list[str]:
   lines = [f"  {name}: {status}"]
   if name == "cuda":
     lines += _cuda_facts(_native.module(name))
+    if _native.built("cuda"):
+      lines += _other_cuda_modules(_native.module(name))
   if problem is not None:
     lines.append(f"    to fix: {problem.fix}")
   return lines

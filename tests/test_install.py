@@ -228,6 +228,22 @@ def test_a_driver_too_old_for_cuda_13_gets_the_cuda_12_module(monkeypatch, drive
   assert _native.cuda_module_name() == loaded
 
 
+def test_the_report_names_the_driver_each_cuda_module_needs(monkeypatch):
+  from clipjax import __main__ as report
+  monkeypatch.setattr(_native, "cuda_devices", lambda: [])
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: 12020)
+  monkeypatch.setattr(_native, "_installed", lambda name: True)
+  monkeypatch.setitem(_native._loaded, "cuda",
+                      FakeCudaModule("", runtime=12040, name="clipjax._cuda12._clipjax_cuda"))
+  monkeypatch.setattr(report.importlib, "import_module", lambda name: FakeCudaModule(""))
+  lines = report._handler_lines("cuda")
+  assert "    loads: yes (clipjax._cuda12._clipjax_cuda)" in lines
+  assert ("    NVIDIA driver: supports CUDA 12.2, new enough; this build needs NVIDIA driver "
+          "525.60.13 or later (one for CUDA 12.0 or later)") in lines
+  assert lines[-1] == ("    also holds clipjax._clipjax_cuda: CUDA 13.0 kernels, for NVIDIA "
+                       "driver 580.65.06 or later (one for CUDA 13.0 or later)")
+
+
 def test_without_a_cuda_12_module_the_first_is_loaded_whatever_the_driver(monkeypatch):
   monkeypatch.setattr(_native, "_installed", lambda name: name == "_clipjax_cuda")
   monkeypatch.setattr(_native, "driver_cuda_version", lambda: 12020)
