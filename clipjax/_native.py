@@ -3,6 +3,7 @@ why one cannot run (not built, failed to load, no code for this GPU)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.metadata
@@ -20,9 +21,43 @@ import jax
 _loaded: dict[str, object] = {}  # "cpu"/"cuda" -> the loaded native module
 _load_errors: dict[str, str] = {}  # platform -> why its module did not load
 _NATIVE_MODULES = {"cpu": "_clipjax_cpu", "cuda": "_clipjax_cuda"}
+# The module of CUDA 12 kernels that a release wheel holds beside the CUDA 13 one, loaded
+# instead where the driver is too old for the other.
+_CUDA12_MODULE = "_cuda12._clipjax_cuda"
+# The oldest NVIDIA driver (Linux) that runs code of a CUDA major: a CUDA runtime runs on
+# any driver of its major (minor version compatibility), from the first of that major on.
+MIN_DRIVER = {12: "525.60.13", 13: "580.65.06"}
 # Why a module can be missing from an install.
 _UNBUILT_BECAUSE = {"cpu": "imported from a source tree that pip never built",
                     "cuda": "no CUDA compiler at build time, or CLIPJAX_CUDA=0"}
+
+
+def cuda_text(version: int) -> str:
+  """A CUDA version as the runtime and driver APIs give it (13000) in words ("13.0")."""
+  return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def driver_needed(runtime: int) -> str:
+  """What a module linked with CUDA runtime `runtime` (e.g. 13000) needs of the driver."""
+  driver = MIN_DRIVER.get(runtime // 1000)
+  return (f"NVIDIA driver {driver} or later" if driver else "an NVIDIA driver") + (
+      f" (one for CUDA {runtime // 1000}.0 or later)")
+
+
+def driver_cuda_version() -> int | None:
+  """The newest CUDA version the installed NVIDIA driver supports (e.g. 12020 for driver
+  535), asked of the driver library itself; None where there is no driver."""
+  try:
+    libcuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return None
+  version = ctypes.c_int(0)
+  return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+
+
+def driver_too_old(runtime: int, driver: int | None) -> bool:
+  """Whether a driver supporting CUDA `driver` cannot run a module of CUDA `runtime`."""
+  return driver is not None and driver // 1000 < runtime // 1000
 
 
 def runtime_ffi_api() -> tuple[int, int] | None:
@@ -62,8 +97,29 @@ def _load(platform: str, name: str) -> None:
                                 platform=platform.upper() if platform == "cuda" else platform)
 
 
+def _installed(name: str) -> bool:
+  """Whether the module clipjax.`name` is in this install (without importing it)."""
+  try:
+    return importlib.util.find_spec(f"clipjax.{name}") is not None
+  except ModuleNotFoundError:  # its parent package is not
+    return False
+
+
+def cuda_module_name() -> str:
+  """The CUDA module to load: the install's first, unless the install also holds one of
+  CUDA 12 kernels and the driver is too old for the first's CUDA (or it does not load)."""
+  name = _NATIVE_MODULES["cuda"]
+  if not _installed(_CUDA12_MODULE):
+    return name
+  try:
+    runtime = importlib.import_module(f"clipjax.{name}").BUILD["runtime"]
+  except ImportError:
+    return _CUDA12_MODULE
+  return _CUDA12_MODULE if driver_too_old(runtime, driver_cuda_version()) else name
+
+
 for _platform, _name in _NATIVE_MODULES.items():
-  _load(_platform, _name)
+  _load(_platform, cuda_module_name() if _platform == "cuda" else _name)
 
 
 def platforms() -> tuple[str, ...]:
@@ -79,7 +135,7 @@ def module(platform: str):
 def built(platform: str) -> bool:
   """Whether this install holds the platform's module (loaded or not)."""
   name = _NATIVE_MODULES.get(platform.lower())
-  return name is not None and importlib.util.find_spec(f"clipjax.{name}") is not None
+  return name is not None and _installed(name)
 
 
 def cuda_devices() -> list:
@@ -121,8 +177,8 @@ def _cuda_device_problem() -> Problem | None:
       continue
     if "InsufficientDriver" in error:
       runtime = module.BUILD["runtime"]
-      return Problem(f"its CUDA {runtime // 1000}.{runtime % 1000 // 10} runtime needs a newer "
-                     f"NVIDIA driver ({error})",
+      return Problem(f"its CUDA {cuda_text(runtime)} runtime needs a newer NVIDIA driver: "
+                     f"{driver_needed(runtime)} ({error})",
                      "install an NVIDIA driver for that CUDA version, or build with this "
                      "machine's own CUDA toolkit: CUDACXX=/path/to/nvcc " + reinstall_command())
     capability = str(getattr(device, "compute_capability", ""))

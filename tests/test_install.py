@@ -3,14 +3,15 @@
 - Where a CUDA GPU cannot run the custom call (the module was not built, failed to load,
   or holds no code for that GPU), impl="auto" runs the pure-JAX clip and warns once per
   process, saying why and naming the command that fixes it. A CUDA backend is faked here.
-- `python -m clipjax` prints what a bug report needs.
-- The build picks its CUDA compiler (build_support/clipjax_build.py) and names the wheel.
+- `python -m clipjax` prints what a bug report needs, each fact of the CUDA module apart.
+- `clipjax.__version__` names the variant (the build itself: tests/test_build.py).
 """
 
+import re
 import subprocess
 import sys
+import tomllib
 import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import pytest
 
 import clipjax
 from clipjax import _native
-from conftest import load_script
+from conftest import ROOT
 
 
 class FakeGpu(NamedTuple):
@@ -34,8 +35,10 @@ class FakeCudaModule:
   BUILD = {"architectures": "80-real 86-real 89-real 90-real 100-real 120", "compiler": "13.0.88",
            "runtime": 13000}
 
-  def __init__(self, error):
+  def __init__(self, error, runtime=13000, name="clipjax._clipjax_cuda"):
     self.error = error
+    self.BUILD = dict(self.BUILD, runtime=runtime)
+    self.__name__ = name
 
   def kernel_image(self, device):
     del device
@@ -109,7 +112,7 @@ def test_auto_warns_when_the_driver_is_older_than_the_runtime(cuda_machine):
   cuda_machine.setitem(_native._loaded, "cuda", FakeCudaModule(error))
   messages = auto_clips_and_warnings()
   assert len(messages) == 1
-  assert "CUDA 13.0 runtime needs a newer NVIDIA driver" in messages[0]
+  assert "CUDA 13.0 runtime needs a newer NVIDIA driver: NVIDIA driver 580.65.06 or later" in messages[0]
   assert "CUDACXX=" in messages[0]
 
 
@@ -164,61 +167,114 @@ def test_python_m_clipjax_reports_versions_handlers_and_paths(tmp_path):
     assert line in out, out
   if _native.built("cuda"):  # with a CUDA compiler at build time, as in CI
     assert "CUDA runtime 13." in out or "CUDA runtime 12." in out, out
-    assert "for architectures " in out, out
+    assert "architectures 8" in out, out
+
+
+def test_the_report_never_calls_the_cuda_module_usable_without_a_device(monkeypatch):
+  """Each fact apart: built, loads, a device visible, a driver new enough."""
+  from clipjax import __main__ as report
+  monkeypatch.setattr(_native, "cuda_devices", lambda: [])
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: None)
+  monkeypatch.setattr(_native, "built", lambda platform: True)
+  monkeypatch.setitem(_native._loaded, "cuda", FakeCudaModule(""))
+  lines = report._handler_lines("cuda")
+  assert lines[0] == "  cuda: NOT usable here: no CUDA device is visible"
+  assert lines[1].startswith("    built: yes (nvcc 13.0.88, CUDA runtime 13.0 linked statically")
+  assert lines[2:5] == ["    loads: yes (clipjax._clipjax_cuda)", "    CUDA devices visible: none",
+                        "    NVIDIA driver: none found; this build needs NVIDIA driver "
+                        "580.65.06 or later (one for CUDA 13.0 or later)"]
+
+
+def test_the_report_names_a_driver_too_old_for_the_build(cuda_machine):
+  from clipjax import __main__ as report
+  cuda_machine.setattr(_native, "driver_cuda_version", lambda: 12020)  # driver 535
+  cuda_machine.setattr(_native, "built", lambda platform: True)
+  cuda_machine.setitem(_native._loaded, "cuda", FakeCudaModule(
+      "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version"))
+  lines = report._handler_lines("cuda")
+  assert lines[0].startswith("  cuda: NOT usable: its CUDA 13.0 runtime needs a newer NVIDIA driver")
+  assert "    CUDA devices visible: 1" in lines
+  assert ("    NVIDIA driver: supports CUDA 12.2, too old; this build needs NVIDIA driver "
+          "580.65.06 or later (one for CUDA 13.0 or later)") in lines
+
+
+def test_the_report_of_a_module_that_does_not_load(monkeypatch):
+  from clipjax import __main__ as report
+  monkeypatch.delitem(_native._loaded, "cuda", raising=False)
+  monkeypatch.setattr(_native, "built", lambda platform: True)
+  monkeypatch.setitem(_native._load_errors, "cuda", "GLIBC_2.34 not found")
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: None)
+  lines = report._handler_lines("cuda")
+  assert lines[0] == "  cuda: NOT usable: its CUDA module failed to load: GLIBC_2.34 not found"
+  assert lines[1:4] == ["    built: yes", "    loads: no: GLIBC_2.34 not found",
+                        "    CUDA devices visible: none"]
+
+
+@pytest.mark.parametrize("runtime, driver, too_old", [
+    (13000, None, False), (13000, 12090, True), (13000, 13000, False), (13020, 13000, False),
+    (12080, 12020, False), (12000, 11080, True)])
+def test_the_driver_rule_is_the_cuda_major(runtime, driver, too_old):
+  assert _native.driver_too_old(runtime, driver) is too_old
+
+
+@pytest.mark.parametrize("driver, loaded", [
+    (None, "_clipjax_cuda"), (13000, "_clipjax_cuda"), (12020, "_cuda12._clipjax_cuda")])
+def test_a_driver_too_old_for_cuda_13_gets_the_cuda_12_module(monkeypatch, driver, loaded):
+  """A release wheel holds the kernels twice: built with CUDA 13, and with CUDA 12 for
+  drivers from 525 on; clipjax loads the one the driver runs."""
+  monkeypatch.setattr(_native, "_installed", lambda name: True)
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: driver)
+  monkeypatch.setattr(_native.importlib, "import_module", lambda name: FakeCudaModule(""))
+  assert _native.cuda_module_name() == loaded
+
+
+def test_the_report_names_the_driver_each_cuda_module_needs(monkeypatch):
+  from clipjax import __main__ as report
+  monkeypatch.setattr(_native, "cuda_devices", lambda: [])
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: 12020)
+  monkeypatch.setattr(_native, "_installed", lambda name: True)
+  monkeypatch.setitem(_native._loaded, "cuda",
+                      FakeCudaModule("", runtime=12040, name="clipjax._cuda12._clipjax_cuda"))
+  monkeypatch.setattr(report.importlib, "import_module", lambda name: FakeCudaModule(""))
+  lines = report._handler_lines("cuda")
+  assert "    loads: yes (clipjax._cuda12._clipjax_cuda)" in lines
+  assert ("    NVIDIA driver: supports CUDA 12.2, new enough; this build needs NVIDIA driver "
+          "525.60.13 or later (one for CUDA 12.0 or later)") in lines
+  assert lines[-1] == ("    also holds clipjax._clipjax_cuda: CUDA 13.0 kernels, for NVIDIA "
+                       "driver 580.65.06 or later (one for CUDA 13.0 or later)")
+
+
+def test_without_a_cuda_12_module_the_first_is_loaded_whatever_the_driver(monkeypatch):
+  monkeypatch.setattr(_native, "_installed", lambda name: name == "_clipjax_cuda")
+  monkeypatch.setattr(_native, "driver_cuda_version", lambda: 12020)
+  assert _native.cuda_module_name() == "_clipjax_cuda"
+
+
+def test_this_machine_has_no_driver_and_the_report_says_so(tmp_path):
+  """On a machine without a GPU or driver (CI), the CUDA module is never called usable."""
+  if _native.driver_cuda_version() is not None:
+    pytest.skip("this machine has an NVIDIA driver")
+  out = subprocess.run([sys.executable, "-m", "clipjax"], capture_output=True, text=True,
+                       check=True, timeout=300, cwd=tmp_path).stdout
+  assert "cuda: usable" not in out, out
+  if _native.built("cuda"):
+    assert "CUDA devices visible: none" in out and "NVIDIA driver: none found" in out, out
 
 
 def test_version_comes_from_one_place():
   import clipjax._version
-  assert clipjax.__version__ == clipjax._version.__version__
-  build = load_build_support()
-  assert build.dynamic_metadata("version").split("+")[0] == clipjax.__version__
+  assert clipjax.__version__.split("+")[0] == clipjax._version.VERSION
+  settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
+  regex = settings["metadata"]["version"]["regex"]
+  source = (ROOT / settings["metadata"]["version"]["input"]).read_text()
+  assert re.search(regex, source, re.M).group("value") == clipjax._version.VERSION
 
 
-# --- the build's choice of compiler -----------------------------------------------------
+def test_version_names_the_variant_of_a_built_install():
+  try:
+    from clipjax._variant import VARIANT
+  except ImportError:
+    pytest.skip("clipjax is imported from a source tree that pip never built")
+  assert clipjax.__version__ == f"{clipjax._version.VERSION}+{VARIANT}"
+  assert (VARIANT != "cpu") == _native.built("cuda")
 
-def load_build_support():
-  return load_script("build_support/clipjax_build.py")
-
-
-@pytest.fixture
-def no_system_compiler(monkeypatch, tmp_path):
-  for name in ("CUDACXX", "CUDA_HOME", "CUDA_PATH", "CLIPJAX_CUDA"):
-    monkeypatch.delenv(name, raising=False)
-  monkeypatch.setenv("PATH", str(tmp_path))
-  build = load_build_support()
-  monkeypatch.setattr(build, "PIP_TOOLKIT", Path("no-such-toolkit"))  # as in jax[cuda13]
-  return build
-
-
-def test_a_machine_without_nvcc_gets_the_compiler_from_pypi(no_system_compiler, monkeypatch):
-  build = no_system_compiler
-  monkeypatch.setattr(build.platform, "system", lambda: "Linux")
-  monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
-  assert build.system_compiler() is None
-  assert any(r.startswith("nvidia-cuda-nvcc>=13") for r in build.get_requires_for_dynamic_metadata())
-
-
-def test_without_any_compiler_the_wheel_is_named_cpu(no_system_compiler, monkeypatch):
-  build = no_system_compiler
-  monkeypatch.setattr(build.platform, "system", lambda: "Darwin")
-  monkeypatch.setattr(build.platform, "machine", lambda: "arm64")
-  assert build.get_requires_for_dynamic_metadata() == []
-  assert build.cuda_compiler() is None
-  assert build.dynamic_metadata("version") == clipjax.__version__ + "+cpu"
-
-
-def test_the_machines_compiler_wins(no_system_compiler, monkeypatch, tmp_path):
-  build = no_system_compiler
-  monkeypatch.setenv("CUDACXX", str(tmp_path / "nvcc"))
-  assert build.cuda_compiler() == tmp_path / "nvcc"
-  assert build.get_requires_for_dynamic_metadata() == []
-  assert build.dynamic_metadata("version") == clipjax.__version__
-
-
-def test_clipjax_cuda_0_builds_the_cpu_handler_only(no_system_compiler, monkeypatch, tmp_path):
-  build = no_system_compiler
-  monkeypatch.setenv("CUDACXX", str(tmp_path / "nvcc"))
-  monkeypatch.setenv("CLIPJAX_CUDA", "0")
-  assert build.cuda_compiler() is None
-  assert build.get_requires_for_dynamic_metadata() == []
-  assert build.dynamic_metadata("version").endswith("+cpu")
