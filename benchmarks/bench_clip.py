@@ -11,7 +11,8 @@ It prints a table and writes everything, with versions and the command line, to 
     python benchmarks/bench_clip.py            # the GPU run
     python benchmarks/bench_clip.py --quick    # tiny shapes: runs on a CPU in seconds
 
-docs/benchmarks.md says how the timing works, how to read the output, and what it measured.
+docs/development.md ("Timing") says how the timing works; docs/performance.md has what it
+measured.
 """
 
 from __future__ import annotations

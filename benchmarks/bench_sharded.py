@@ -17,7 +17,7 @@ It prints two tables and writes JSON.
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         python benchmarks/bench_sharded.py --quick      # tiny shapes on 2 CPU devices
 
-docs/benchmarks.md says what is measured and what it measured.
+docs/performance.md has what it measured; docs/development.md ("Timing") says how.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ optimizer alone) against N, one read of the gradients.
     python benchmarks/bench_step.py            # the GPU run
     python benchmarks/bench_step.py --quick    # tiny shapes: runs on a CPU in seconds
 
-docs/step_device.md says how to read the output and what it measured.
+docs/performance.md has what it measured; docs/development.md ("Timing") says how.
 """
 
 from __future__ import annotations

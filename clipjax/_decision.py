@@ -210,6 +210,6 @@ def scale_all(scale, shift, keep, zero_fill, leaves):
   # The barrier makes XLA compute the rows once, in a kernel of their own, rather than copy
   # their arithmetic into every consumer's fusion. One array, not four: with the four
   # values as four arrays, XLA fused no two of AdamW's per-leaf updates (the kernels of
-  # benchmarks/bench_train_step.py --kernels show it).
+  # examples/benchmark.py --kernels show it).
   rows = lax.optimization_barrier(jnp.stack(columns, axis=-1).reshape(-1, 4))
   return scale_by_rows(rows, leaves, per_leaf=per_leaf)

@@ -26,12 +26,12 @@ same round, so that drift between rounds cancels). adamw alone compiled a second
 ("none_again", a control) shows how far two runs of one program differ on each clock.
 Python's garbage collector is off while a round is timed.
 
-Each clip's step is then held to the targets of docs/wall_clock.md (benchlib.targets):
+Each clip's step is then held to the targets of docs/performance.md (benchlib.targets):
 wall within 2% of adamw alone, no slower than optax's chain, host within 5% of adamw alone,
 each on the paired ratio. A verdict reads the 95% interval of that ratio's median
 (benchlib.timing.median_interval): "met" where all of it is within the bound, "not met"
 where none of it is, "cannot tell" where the rounds cannot resolve it (more rounds, or more
-steps a round, narrow the interval; docs/wall_clock.md shows by how much). The control is
+steps a round, narrow the interval; docs/development.md, "Timing", says how). The control is
 read against adamw alone too, as a measure of what the rounds resolve.
 
 Gradient dtype f32: float32 parameters, bfloat16 compute (the example's setting); bf16: the
@@ -57,7 +57,7 @@ and then what wrote each operand of the clip's custom calls (benchlib.profiling.
 a class that adamw alone's kernels lack is an array XLA wrote for the call. --hlo-dir keeps
 each variant's optimized HLO, to read those fusions.
 
-docs/wall_clock.md says what it measured.
+docs/performance.md has what it measured, from its records in docs/results/.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _donated_clip(impl, **kw):
   return jax.jit(lambda t: clipjax.clip_tree(t, 1.0, impl=impl, **kw), donate_argnums=0)
 
 
-# The pure-JAX path's compile of 5,000 leaves takes minutes (docs/limits.md): that tree is
+# The pure-JAX path's compile of 5,000 leaves takes minutes (docs/guide.md, "Limits"): that tree is
 # checked against float64 on its own, below.
 @pytest.mark.parametrize("name", sorted(set(TREES) - {"five_thousand_leaves"}))
 def test_outputs_match_pure_jax_within_one_ulp_of_the_scale(name):

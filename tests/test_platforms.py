@@ -64,7 +64,7 @@ def test_the_cuda_form_fixes_its_kernels_with_barriers():
   leaves' row sums, so that each leaf is reduced by a kernel of its own, and one over the
   sums of each length's stacked row sums, so that XLA does not fuse one of those
   reductions into the permutation back to the leaves' order, where one thread adds up a
-  whole row (0.11-0.18 ms of the example's 120M step, docs/wall_clock_analysis.md)."""
+  whole row (slower in the example's 120M step: examples/benchmark.py --kernels shows it)."""
   traced = _traced_pure_jax_clip()
   barriers = _barriers(traced.lower(lowering_platforms=("cuda",)).as_text())
   assert {"tensor<768xf32>", "tensor<5xf32>"} in barriers, barriers

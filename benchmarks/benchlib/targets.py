@@ -1,4 +1,4 @@
-"""The real training step held to its targets (docs/wall_clock.md): each clip's step, and the
+"""The real training step held to its targets (docs/performance.md): each clip's step, and the
 control, against its peer in the same rounds, on the paired ratio's median and its 95%
 interval (`timing.median_interval`). examples/benchmark.py's rows are the input."""
 
@@ -8,7 +8,7 @@ import statistics
 
 from benchlib import timing
 
-# The targets a clip's step is held to (docs/wall_clock.md): (what, clock, the variant it is
+# The targets a clip's step is held to (docs/performance.md): (what, clock, the variant it is
 # paired with, the bound on the median of the rounds' ratios).
 TARGETS = (("wall vs adamw alone", "wall", "none", 1.02),
            ("wall vs optax's chain", "wall", "optax", 1.0),

@@ -114,7 +114,8 @@ class BareStep:
   token streams of its sources) already on the devices: `step_fn` (the loop's, compiled
   when the loop first runs), or else one made and compiled here (its compile time and the
   compiled program's peak memory are kept). Real text, not random tokens: its repeated
-  tokens make the embedding's gradient a different sum (docs/speed.md)."""
+  tokens make the embedding's gradient a different sum (docs/performance.md, "The
+  example's speed")."""
 
   def __init__(self, cfg: config.TrainConfig, streams, step_fn=None):
     self.cfg = cfg

@@ -55,7 +55,7 @@ assert REMAT_CHOICES == ("none", *REMAT_POLICIES)  # the flag's choices (config.
 
 # The LM head's matmul in training runs on the vocabulary rounded up to a multiple of this.
 # cuBLAS's tiles want aligned sizes: andrea-120m's 8,449 columns padded to 8,576 make its
-# bfloat16 step faster on a GPU (measured with experiments/bench_speed.py, docs/speed.md).
+# bfloat16 step faster on a GPU (measured with experiments/bench_speed.py, docs/performance.md).
 VOCAB_ALIGN = 128
 
 # Architectures only; context length, vocab, dtype, attention and remat are set by the
@@ -134,7 +134,7 @@ class GPT(nnx.Module):
     # that the tables' gradients are summed in float32. Cast before the lookup, the token
     # table's gradient is a scatter-add of bfloat16 rows, which on real text, whose tokens
     # repeat, is slow on a GPU and inexact; summed in float32 the step is faster
-    # (measured with experiments/bench_speed.py, docs/speed.md).
+    # (measured with experiments/bench_speed.py, docs/performance.md).
     self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embed_init,
                                  rngs=rngs)
     self.pos_embed = nnx.Embed(cfg.context_length, cfg.d_model, embedding_init=embed_init,
