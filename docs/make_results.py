@@ -1,7 +1,9 @@
 """Make the documentation's tables and figures from the measurement records.
 
 Each record in `docs/results/` is one run of a benchmark or experiment: its command, date,
-device, versions, the commit whose code ran, and its tables of numbers. This script writes,
+device, versions, the commit whose code ran, and its tables of numbers. A record as a
+benchmark writes it (`benchmarks/benchlib/record.py`: its run's `meta` and its `rows`) is
+read as one of these (`from_benchmark`), so it can be copied here as it is. This writes,
 into `docs/_generated/` (ignored by git), one Markdown include per record (its tables and a
 line saying where they come from) and the figures the pages show. Sphinx runs it from
 `conf.py`; `python docs/make_results.py` does the same by hand.
@@ -17,6 +19,36 @@ GENERATED = os.path.join(DOCS, "_generated")
 REQUIRED = ("title", "command", "date", "device", "versions", "commit", "tables")
 
 
+# The versions a benchmark's record names, in the order the docs show them.
+BENCHMARK_VERSIONS = ("python", "jax", "jaxlib", "optax", "clipjax")
+
+
+def from_benchmark(raw, name, path):
+  """A benchmark's record (`{"meta": ..., "rows": [...], ...}`) in the docs' fields: each
+  top-level list of dicts a table (`rows` is "main"), its columns the keys in the order
+  they first appear. An unfinished run (`meta["complete"]` false) is refused."""
+  meta = raw["meta"]
+  if not meta.get("complete", False):
+    raise ValueError(f"{path}: the run did not finish (meta.complete is not true)")
+  tables = []
+  for key, value in raw.items():
+    if not (isinstance(value, list) and value and all(isinstance(r, dict) for r in value)):
+      continue
+    columns = list(dict.fromkeys(column for row in value for column in row))
+    tables.append({"name": "main" if key == "rows" else key, "columns": columns,
+                   "rows": [[row.get(column) for column in columns] for row in value]})
+  count, kinds = meta.get("device_count"), meta.get("device_kinds")
+  return {
+      "title": raw.get("title", name),
+      "command": meta.get("command"),
+      "date": (meta.get("date") or "")[:10] or None,
+      "device": f"{count}x {', '.join(kinds)}" if count and kinds else None,
+      "versions": {k: meta[k] for k in BENCHMARK_VERSIONS if meta.get(k)},
+      "commit": meta.get("git_commit"),
+      "tables": tables,
+  }
+
+
 def load_records(results_dir=RESULTS):
   """Every record, by name (its file name without `.json`), each checked for its fields."""
   records = {}
@@ -24,9 +56,12 @@ def load_records(results_dir=RESULTS):
     if not file_name.endswith(".json"):
       continue
     path = os.path.join(results_dir, file_name)
+    name = file_name[:-len(".json")]
     with open(path) as f:
       record = json.load(f)
-    missing = [key for key in REQUIRED if key not in record]
+    if "meta" in record:
+      record = from_benchmark(record, name, path)
+    missing = [key for key in REQUIRED if record.get(key) is None]
     if missing:
       raise ValueError(f"{path}: the record lacks {', '.join(missing)}")
     for table in record["tables"]:
@@ -35,7 +70,7 @@ def load_records(results_dir=RESULTS):
         if len(row) != width:
           raise ValueError(f"{path}: table {table['name']!r} has a row of {len(row)} cells "
                            f"for {width} columns: {row}")
-    records[file_name[:-len(".json")]] = record
+    records[name] = record
   return records
 
 

@@ -1,8 +1,10 @@
-"""The documentation's rules: no history in prose, its size, its API page and its records.
+"""The documentation's rules: no history in prose, its size, its API page and its records
+(those the docs hold, and one a benchmark writes).
 
 The getting-started page's Python blocks run here, on the CPU, as a reader would run them.
 """
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -10,7 +12,9 @@ import json
 import os
 import re
 
+import jax
 import pytest
+from benchlib import record
 
 import clipjax
 
@@ -108,6 +112,32 @@ def test_a_record_without_its_fields_or_with_a_short_row_is_refused(tmp_path):
   del record["commit"]
   (tmp_path / "good.json").write_text(json.dumps(record))
   with pytest.raises(ValueError, match=r"good\.json: the record lacks commit"):
+    make_results.load_records(str(tmp_path))
+
+
+def test_a_record_a_benchmark_writes_is_rendered_as_it_is(tmp_path):
+  args = argparse.Namespace(quick=True, out=str(tmp_path / "bench_x.json"))
+  rows = [{"leaves": 3, "impl": "ffi", "ms": 0.25}, {"leaves": 3, "impl": "jax", "ms": 0.5,
+                                                      "note": "slower"}]
+  record.save_rows("bench_x", args, rows, checks=[{"what": "norm", "ok": True}], goal=2.0)
+  [(name, rendered)] = make_results.load_records(str(tmp_path)).items()
+  assert name == "bench_x" and rendered["title"] == "bench_x"
+  assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", rendered["date"])
+  assert rendered["device"] == f"{jax.device_count()}x {jax.devices()[0].device_kind}"
+  assert rendered["versions"]["jax"] == jax.__version__
+  assert rendered["commit"] == record.git_commit()
+  markdown = make_results.record_markdown(rendered)
+  assert ("| leaves | impl | ms | note |\n|---|---|---|---|\n| 3 | ffi | 0.25 | - |\n"
+          "| 3 | jax | 0.5 | slower |") in markdown
+  assert "| what | ok |\n|---|---|\n| norm | true |" in markdown
+  assert rendered["command"] in markdown
+
+
+def test_an_unfinished_benchmark_run_is_refused(tmp_path):
+  path = tmp_path / "bench_x.json"
+  meta = record.run_metadata(argparse.Namespace(out=str(path)))
+  record.save_json({"meta": meta, "rows": [{"ms": 1.0}]}, str(path), complete=False)
+  with pytest.raises(ValueError, match=r"bench_x\.json: the run did not finish"):
     make_results.load_records(str(tmp_path))
 
 
