@@ -78,6 +78,32 @@ def andrea_clip(max_norm, *, impl: str = "auto", mode: str = "global",
 
   Returns:
     An optax.GradientTransformation whose state is an AndreaClipState.
+
+  Raises:
+    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
+      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
+      `impl="jax"`; at `update`, specs that do not fit the updates or the mesh.
+    TypeError: a `spike` that is not a `ZScoreSpike`; at `init` or `update`, a leaf that is
+      not a floating-point array (the message names it).
+    RuntimeError: at `update`, `impl="ffi"` on a platform whose handler this install lacks.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import clipjax
+    >>> grads = {"w": jnp.array([3.0, 4.0])}
+    >>> clip = clipjax.andrea_clip(1.0)
+    >>> updates, state = clip.update(grads, clip.init(grads))
+    >>> print(updates["w"], state.global_norm, state.clipped)
+    [0.6 0.8] 5.0 True
+
+    Ahead of the optimizer, as in training:
+
+    >>> tx = optax.chain(clipjax.andrea_clip(1.0), optax.sgd(1.0))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> updates, _ = tx.update(grads, tx.init(params), params)
+    >>> print(updates["w"])
+    [-0.6 -0.8]
   """
   _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   if spike is not None and not isinstance(spike, ZScoreSpike):

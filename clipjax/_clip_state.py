@@ -26,6 +26,14 @@ class AndreaClipState(NamedTuple):
     norm_count: int32 scalar, the finite steps that entered those statistics.
     spike: bool scalar, whether the latest step was a spike.
     spike_count: int32 scalar, how many steps so far were spikes.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import clipjax
+    >>> clip = clipjax.andrea_clip(1.0)
+    >>> _, state = clip.update({"w": jnp.array([0.0, 0.5])}, clip.init({"w": jnp.zeros(2)}))
+    >>> print(state.global_norm, state.clipped, state.nonfinite_count, state.leaf_norms)
+    0.5 False 0 [0.5]
   """
   global_norm: jax.Array
   clipped: jax.Array
@@ -39,7 +47,28 @@ class AndreaClipState(NamedTuple):
 
 
 def clip_state(opt_state) -> AndreaClipState:
-  """The first AndreaClipState inside a (nested) optimizer state."""
+  """The first AndreaClipState inside a (nested) optimizer state.
+
+  Args:
+    opt_state: an optimizer's state, e.g. of `optax.chain(clipjax.andrea_clip(1.0), ...)`,
+      nested to any depth (`optax.inject_hyperparams`, `skip_spikes` and the like).
+
+  Returns:
+    The `AndreaClipState` that `andrea_clip` keeps there (the first, in tree order).
+
+  Raises:
+    ValueError: the state holds no `AndreaClipState`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import clipjax
+    >>> tx = optax.chain(clipjax.andrea_clip(1.0), optax.sgd(0.1))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> _, opt_state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    >>> print(clipjax.clip_state(opt_state).global_norm)
+    5.0
+  """
   found = []
 
   def visit(node):
@@ -55,12 +84,33 @@ def clip_state(opt_state) -> AndreaClipState:
 
 
 def named_leaf_norms(opt_state, params) -> dict:
-  """{path: norm} of the latest update's leaves, before clipping, e.g.
-  {"layer_0/kernel": 0.37, ...}: the `AndreaClipState` inside `opt_state` (see
-  `clip_state`) paired with the paths of `params` (the tree the optimizer was made for).
+  """Each leaf's norm in the latest update, before clipping, named by the leaf's path.
 
+  The `AndreaClipState` inside `opt_state` (see `clip_state`) paired with the paths of
+  `params` (the tree the optimizer was made for), e.g. `{"layer_0/kernel": 0.37, ...}`.
   For logging: the norms are Python floats, from one copy to the host. Inside `jax.jit`,
   where they are traced, each is a traced scalar.
+
+  Args:
+    opt_state: an optimizer's state that holds an `AndreaClipState`.
+    params: the parameters the optimizer was made for (their paths name the norms).
+
+  Returns:
+    A dict from each leaf's path (`/`-separated, as Flax and Orbax name it) to its norm.
+
+  Raises:
+    ValueError: the state holds no `AndreaClipState`, or `params` has another number of
+      leaves than the clip's state.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import clipjax
+    >>> params = {"b": jnp.zeros(1), "w": jnp.zeros(2)}
+    >>> clip = clipjax.andrea_clip(1.0)
+    >>> grads = {"b": jnp.array([1.0]), "w": jnp.array([3.0, 4.0])}
+    >>> _, state = clip.update(grads, clip.init(params))
+    >>> clipjax.named_leaf_norms(state, params)
+    {'b': 1.0, 'w': 5.0}
   """
   paths, _, _ = _tree.flatten(params)
   norms = clip_state(opt_state).leaf_norms

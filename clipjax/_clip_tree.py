@@ -23,13 +23,39 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
               on_nonfinite: str = "propagate", scale: str = "auto") -> ClipResult:
   """Clips a pytree of gradients by its global norm (or per leaf).
 
-  Returns a ClipResult: the clipped tree, the norm before clipping, whether it
-  was clipped, whether the norm was NaN/inf, and per-leaf norms. None leaves and
-  optax.MaskedNode are skipped and kept as they are. A tree with a float64 leaf
-  (with jax_enable_x64) is clipped in float64, norms included; else in float32.
+  None leaves and optax.MaskedNode are skipped and kept as they are. A tree with a float64
+  leaf (with jax_enable_x64) is clipped in float64, norms included; else in float32.
+  Under `jax.jit` on sharded leaves, each device clips its own shards.
 
-  `scale` is as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
-  result, and k_grad_scale writes it only when it clips.
+  Args:
+    tree: the gradients, a pytree of floating-point arrays.
+    max_norm: the largest global norm let through: a Python float (finite, > 0) or a JAX
+      scalar.
+    impl, mode, on_nonfinite: as for `andrea_clip`.
+    scale: as for `andrea_clip`, but "auto" is "kernel" here: the clipped tree is the
+      result, and k_grad_scale writes it only when it clips.
+
+  Returns:
+    A ClipResult: the clipped tree, the norm before clipping, whether it was clipped,
+    whether the norm was NaN/inf, and the per-leaf norms.
+
+  Raises:
+    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
+      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
+      `impl="jax"`.
+    TypeError: a leaf that is not a floating-point array (the message names it), or, with
+      `impl="ffi"`, a dtype the custom call does not take.
+    RuntimeError: `impl="ffi"` on a platform whose handler this install lacks.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import clipjax
+    >>> result = clipjax.clip_tree({"w": jnp.array([3.0, 4.0])}, 1.0)
+    >>> print(result.updates["w"], result.global_norm, result.clipped)
+    [0.6 0.8] 5.0 True
+    >>> tree = [jnp.array([3.0, 4.0]), jnp.array([0.5])]
+    >>> print(clipjax.clip_tree(tree, 1.0, mode="per_tensor").updates)
+    [Array([0.6, 0.8], dtype=float32), Array([0.5], dtype=float32)]
   """
   _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   return _dispatch.clip(tree, max_norm, impl=impl, mode=mode,
@@ -37,11 +63,32 @@ def clip_tree(tree, max_norm, *, impl: str = "auto", mode: str = "global",
 
 
 def global_norm(tree, *, impl: str = "auto") -> jax.Array:
-  """The global L2 norm of every element of every leaf of `tree`: float32, or
-  float64 for a tree with a float64 leaf.
+  """The global L2 norm of every element of every leaf of a pytree.
 
   Squares are accumulated without overflow or underflow for any input (float64
   in the custom call; rescaling in JAX).
+
+  Args:
+    tree: a pytree of floating-point arrays (None leaves and optax.MaskedNode skipped).
+    impl: as for `andrea_clip`.
+
+  Returns:
+    A scalar: float32, or float64 for a tree with a float64 leaf; 0 for a tree with no
+    leaves.
+
+  Raises:
+    ValueError: `impl` outside its choices.
+    TypeError: a leaf that is not a floating-point array (the message names it), or, with
+      `impl="ffi"`, a dtype the custom call does not take.
+    RuntimeError: `impl="ffi"` on a platform whose handler this install lacks.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import clipjax
+    >>> print(clipjax.global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
+    5.0
+    >>> print(clipjax.global_norm([jnp.array([3e20, 4e20])]))  # squares beyond float32
+    5e+20
   """
   _options.check_options(1.0, impl, "global", "propagate")  # any valid max_norm
   _, leaves, _ = _dispatch.leaves_of(tree, impl)
@@ -77,6 +124,26 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
 
   Returns:
     A ClipResult; the norms and flags are the same on every device.
+
+  Raises:
+    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
+      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
+      `impl="jax"`.
+    ValueError: no mesh given or found; a spec that does not fit its leaf or the mesh, or
+      a leaf whose spec cannot be read (each message names the leaf).
+    TypeError: a spec that is not a PartitionSpec, or a leaf that is not a floating-point
+      array (the message names it).
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> import clipjax
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> result = clipjax.sharded_clip_tree({"w": jnp.array([3.0, 4.0])}, 1.0, mesh=mesh,
+    ...                                    specs=P("data"))
+    >>> print(result.updates["w"], result.global_norm)
+    [0.6 0.8] 5.0
   """
   options = dict(impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale)
   paths, leaves, treedef = _tree.flatten(tree)
@@ -117,6 +184,26 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
   Returns:
     A ClipResult holding this device's clipped shards; the norms and flags
     are the same on every device.
+
+  Raises:
+    ValueError: `specs` left out, or a spec that does not fit its leaf.
+    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
+      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
+      `impl="jax"`.
+    TypeError: a spec that is not a PartitionSpec, or a leaf that is not a floating-point
+      array (the message names it).
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> import clipjax
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> def clip(grads):
+    ...   return clipjax.clip_tree_in_shard_map(grads, 1.0, specs=P("data")).updates
+    >>> clipped = jax.shard_map(clip, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    >>> print(clipped(jnp.array([3.0, 4.0])))
+    [0.6 0.8]
   """
   if specs is None:
     raise ValueError("clipjax: inside shard_map, pass specs=, the PartitionSpecs of the "

@@ -123,7 +123,23 @@ for _platform, _name in _NATIVE_MODULES.items():
 
 
 def platforms() -> tuple[str, ...]:
-  """Lowering platforms whose handler module is loaded."""
+  """The platforms on which the clip's custom call can run in this process.
+
+  A platform is listed where this install holds its handler module and the module loaded
+  and registered with XLA: "cpu" for the C++ handler, "cuda" for the CUDA kernels.
+  `impl="ffi"` needs the platform listed; `impl="auto"` takes the custom call on CUDA
+  where "cuda" is listed. `python -m clipjax` says why a platform is missing.
+
+  Returns:
+    The lowering platforms' names, sorted, as a tuple of str.
+
+  Examples:
+    >>> import clipjax
+    >>> "cpu" in clipjax.ffi_platforms()
+    True
+    >>> set(clipjax.ffi_platforms()) <= {"cpu", "cuda"}
+    True
+  """
   return tuple(sorted(_loaded))
 
 

@@ -20,7 +20,21 @@ from clipjax._clip_state import AndreaClipState, clip_state
 
 
 class SkipSpikesState(NamedTuple):
-  """State of `skip_spikes`: the wrapped chain's state, and how many steps it skipped."""
+  """State of `skip_spikes`: the wrapped chain's state, and how many steps it skipped.
+
+  Attributes:
+    inner_state: the state of the wrapped chain (its `AndreaClipState` among it).
+    skipped_count: int32 scalar, how many steps so far were skipped.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import clipjax
+    >>> tx = clipjax.skip_spikes(optax.chain(clipjax.andrea_clip(1.0), optax.sgd(0.1)))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> print(state.skipped_count, clipjax.clip_state(state.inner_state).nonfinite_count)
+    0 0
+  """
   inner_state: Any
   skipped_count: jax.Array  # int32
 
@@ -74,6 +88,20 @@ def skip_spikes(inner: optax.GradientTransformation, *, on_nonfinite: bool = Tru
     A GradientTransformation whose state is a `SkipSpikesState`. On a skipped step the
     updates are zeros and the inner state is bit for bit the one before the step (AdamW's
     moments and step count included), but for the clip's state, which records the step.
+
+  Raises:
+    ValueError: `on_nonfinite` and `on_spike` both false (it would never skip); at `init`,
+      a chain whose state holds no `AndreaClipState`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import clipjax
+    >>> tx = clipjax.skip_spikes(optax.chain(clipjax.andrea_clip(1.0), optax.sgd(0.1)))
+    >>> params = {"w": jnp.ones(2)}
+    >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+    >>> print(updates["w"], state.skipped_count)
+    [0. 0.] 1
   """
   if not (on_nonfinite or on_spike):
     raise ValueError("clipjax: skip_spikes with on_nonfinite=False and on_spike=False would "

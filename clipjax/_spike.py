@@ -37,6 +37,20 @@ class ZScoreSpike:
     decay: the running statistics' decay per step (ZClip's alpha, 0.97).
     warmup_steps: finite steps that initialize the statistics before any step can be a
       spike (25).
+
+  Raises:
+    ValueError: `z` not a number above 0, `decay` not in (0, 1), or `warmup_steps` not an
+      int of at least 1.
+
+  Examples:
+    >>> import clipjax
+    >>> clipjax.ZScoreSpike(z=3.0)
+    ZScoreSpike(z=3.0, decay=0.97, warmup_steps=25)
+    >>> clip = clipjax.andrea_clip(1.0, spike=clipjax.ZScoreSpike(warmup_steps=10))
+    >>> clipjax.ZScoreSpike(decay=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: clipjax: ZScoreSpike decay must be in (0, 1); got 1.0
   """
   z: float = 2.5
   decay: float = 0.97

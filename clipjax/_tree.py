@@ -10,9 +10,25 @@ import jax.numpy as jnp
 
 
 class ClipResult(NamedTuple):
-  """What a clip returns: the clipped tree, the norm before clipping, whether it was
-  clipped, whether the norm was NaN/inf, and the per-leaf norms (an array, in tree-flatten
-  order). Norms are float32, or float64 for a tree with float64 leaves."""
+  """What a clip returns: the clipped tree, its norms and what the clip did.
+
+  Norms are float32, or float64 for a tree with float64 leaves.
+
+  Attributes:
+    updates: the clipped tree, shaped and sharded as the tree clipped.
+    global_norm: scalar, the norm before clipping.
+    clipped: bool scalar, whether the tree was scaled (or zeroed).
+    nonfinite: bool scalar, whether the norm was NaN or inf (or a traced `max_norm` was
+      not a finite number above 0).
+    leaf_norms: [number of leaves], each leaf's norm before clipping, in tree-flatten order.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import clipjax
+    >>> result = clipjax.clip_tree([jnp.array([3.0]), jnp.array([4.0])], 10.0)
+    >>> print(result.global_norm, result.clipped, result.nonfinite, result.leaf_norms)
+    5.0 False False [3. 4.]
+  """
   updates: object
   global_norm: jax.Array
   clipped: jax.Array
