@@ -78,9 +78,8 @@ def global_norm(tree, *, impl: str = "auto") -> jax.Array:
 
   Raises:
     ValueError: `impl` outside its choices.
-    TypeError: a leaf that is not a floating-point array (the message names it), or, with
-      `impl="ffi"`, a dtype the custom call does not take.
-    RuntimeError: `impl="ffi"` on a platform whose handler this install lacks.
+    TypeError: a leaf or dtype refused as by `clip_tree`.
+    RuntimeError: as for `clip_tree`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -126,22 +125,22 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
     A ClipResult; the norms and flags are the same on every device.
 
   Raises:
-    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
-      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
-      `impl="jax"`.
-    ValueError: no mesh given or found; a spec that does not fit its leaf or the mesh, or
-      a leaf whose spec cannot be read (each message names the leaf).
+    ValueError: an option or `max_norm` refused as by `clip_tree`; no mesh given or found;
+      a spec that does not fit its leaf or the mesh, or a leaf whose spec cannot be read
+      (each message names the leaf).
     TypeError: a spec that is not a PartitionSpec, or a leaf that is not a floating-point
       array (the message names it).
 
   Examples:
+    The mesh and the specs read from gradients placed with a NamedSharding:
+
     >>> import jax
     >>> import jax.numpy as jnp
-    >>> from jax.sharding import Mesh, PartitionSpec as P
     >>> import clipjax
-    >>> mesh = Mesh(jax.devices()[:1], ("data",))
-    >>> result = clipjax.sharded_clip_tree({"w": jnp.array([3.0, 4.0])}, 1.0, mesh=mesh,
-    ...                                    specs=P("data"))
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    >>> data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    >>> grads = {"w": jax.device_put(jnp.array([3.0, 4.0]), data)}
+    >>> result = clipjax.sharded_clip_tree(grads, 1.0)
     >>> print(result.updates["w"], result.global_norm)
     [0.6 0.8] 5.0
   """
@@ -186,10 +185,8 @@ def clip_tree_in_shard_map(tree, max_norm, *, specs, impl: str = "auto", mode: s
     are the same on every device.
 
   Raises:
-    ValueError: `specs` left out, or a spec that does not fit its leaf.
-    ValueError: an option outside its choices; a Python `max_norm` that is not a finite
-      number above 0, or a `max_norm` that is not a real scalar; `scale="kernel"` with
-      `impl="jax"`.
+    ValueError: `specs` left out; a spec that does not fit its leaf; an option or
+      `max_norm` refused as by `clip_tree`.
     TypeError: a spec that is not a PartitionSpec, or a leaf that is not a floating-point
       array (the message names it).
 
