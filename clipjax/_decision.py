@@ -4,6 +4,8 @@ float range, the decision they lead to, and the multiply that applies it in XLA.
 - A norm is kept as (root, exponent), norm = root * 2**exponent, picked from sums of
   squares taken at three scales (`scaled_squares`, `pick_norm`), so that neither the
   squares nor the norm overflow or underflow (see `clipjax._backend.pure_jax`).
+- `whole_norms`, `norm_of_norms`: norms of shards made whole over the mesh axes the
+  shards are split on, and those norms' norm (the sharded clip's, after its norm calls).
 - `from_norms`: the decision (`Decision`) from the global and per-leaf norms: keep the
   leaves, multiply them by max_norm / norm, or zero them on a non-finite norm under
   on_nonfinite="zero"; with the norms and flags that every clip returns.
@@ -90,6 +92,27 @@ def pick_norm(mid, big, small):
   root = jnp.sqrt(jnp.where(use_mid, mid, jnp.where(use_small, small, big)))
   exp = jnp.where(use_mid, 0, jnp.where(use_small, -k_small, -k_big))
   return root, exp.astype(jnp.int32)
+
+
+def whole_norms(shard_norms, axes):
+  """Whole norms from this device's norms of shards split over the mesh `axes`,
+  elementwise, as (root, exponent) with norm = root * 2**exponent and the root in
+  [0.5, 1), so that a whole norm above the float range is kept. NaN and inf carry through
+  into the root. One all-reduce over `axes` of the shard norms' `scaled_squares`; none
+  where `axes` is empty (the shards are whole)."""
+  if not axes:
+    return jnp.frexp(shard_norms)
+  root, exponent = pick_norm(*lax.psum(scaled_squares(shard_norms), axes))
+  mantissa, shift = jnp.frexp(root)
+  return mantissa, exponent + shift
+
+
+def norm_of_norms(roots, exps):
+  """(root, exponent) of the norm of the norms roots_i * 2**exps_i."""
+  top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
+  top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
+  aligned = roots * pow2(exps - top, roots.dtype)
+  return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
 
 
 class Decision(NamedTuple):

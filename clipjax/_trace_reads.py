@@ -64,10 +64,6 @@ class NormInputs(NamedTuple):
     return NormInputs([self.arrays[i] for i in indices], tuple(self.read_as[i] for i in indices),
                       tuple(self.columns[i] for i in indices))
 
-  def leaf_sizes(self) -> list:
-    """Each leaf's number of elements."""
-    return [a.size if c is None else a.shape[0] * c[1] for a, c in zip(self.arrays, self.columns)]
-
 
 def _producer(x, primitive: str):
   """The equation that made `x` in JAX's trace, where it is `primitive` and its operands are

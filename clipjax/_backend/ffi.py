@@ -42,7 +42,7 @@ READ_AS = {None: 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 
 
 def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
-              norm_inputs: _trace_reads.NormInputs | None = None):
+              norm_inputs: _trace_reads.NormInputs):
   """The clip of `leaves` in one custom call.
 
   `scale_by` says who multiplies the leaves by the clip's factor:
@@ -53,8 +53,10 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
     whatever consumes the clipped leaves (the optimizer's update inside `optax.chain`);
   - None: the norms only.
 
-  `norm_inputs` (see `_trace_reads.norm_sources`): what the norm kernels read where it is not
-  `leaves` (the same values); "kernel" writes the leaves and reads them.
+  `norm_inputs`: what the norm kernels read, the leaves' values: the leaves as stored
+  (`_trace_reads.NormInputs.as_stored`), or cheaper sources of them
+  (`_trace_reads.norm_sources`); for "kernel", which writes the leaves and reads them, the
+  leaves as stored (`clipjax._dispatch.run` finds sources only for the other forms).
 
   Returns `(out_leaves or None, norms, flags)`: `norms` is f32[n + 1] (global norm, then
   one per leaf); `flags` is int32[2] (clipped, nonfinite).
@@ -62,9 +64,9 @@ def clip_call(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_by,
   n = len(leaves)
   in_place = scale_by == "kernel"
   reads = norm_inputs
-  if in_place or norm_inputs is None:
-    reads = _trace_reads.NormInputs.as_stored(leaves)
-  sizes = reads.leaf_sizes()
+  # Each leaf's elements: a block of columns holds rows * width of them.
+  sizes = [a.size if c is None else a.shape[0] * c[1]
+           for a, c in zip(reads.arrays, reads.columns)]
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves] if in_place else []
   out_types += [
       jax.ShapeDtypeStruct((n + 1,), jnp.float32),

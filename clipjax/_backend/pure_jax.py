@@ -205,8 +205,8 @@ def clip_leaves(max_norm, leaves, *, mode: str, on_nonfinite: str, scale_leaves:
           scale_leaves=scale_leaves, by_rows=by_rows)
 
     return per_platform(form(True), form(False), max_norm, *leaves)
-  max_norm = jnp.asarray(max_norm, norm_dtype(leaves)).reshape(())
   (root, exp), (leaf_roots, leaf_exps) = norms(leaves, by_rows=by_rows)
+  max_norm = jnp.asarray(max_norm, root.dtype).reshape(())  # the norms' dtype, `norm_dtype`
   decision, all_norms, flags = _decision.from_norms(max_norm, root, exp, leaf_roots, leaf_exps,
                                                     mode=mode, on_nonfinite=on_nonfinite)
   return (_decision.scale_all(*decision, leaves) if scale_leaves else None), all_norms, flags

@@ -14,7 +14,7 @@ scales its own shards:
   global norm = the same over the group norms, each kept as root * 2**exponent
 
 The squares are summed at three scales at once, as the pure-JAX path sums a leaf's
-elements (`clipjax._decision.scaled_squares`, `pick_norm`), so none overflows or underflows, and
+elements (`clipjax._decision.whole_norms`), so none overflows or underflows, and
 a norm above the float range keeps its scale (root * 2**exponent) though it reads as inf.
 Only a few floats per leaf cross devices: one psum per set of axes, of three floats per
 leaf and per norm call in the set (a call takes at most `_backend.MAX_LEAVES_PER_CALL` leaves).
@@ -22,35 +22,55 @@ leaf and per norm call in the set (a call takes at most `_backend.MAX_LEAVES_PER
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
-from clipjax import _backend, _decision, _trace_reads
+from clipjax import _backend, _decision
 
 
-def _whole_leaf_norms(shard_norms, axes):
-  """Whole norms from this device's shard norms, elementwise, as (root, exponent) with
-  norm = root * 2**exponent and the root in [0.5, 1), so that a whole norm above the
-  float range is kept. NaN and inf carry through into the root.
+def split(leaf_axes) -> _backend.Split:
+  """How `_backend.clip` takes the norms of leaves split over `leaf_axes` (per leaf, the
+  mesh axes it is split over): the leaves grouped by their set of axes, a group in calls of
+  at most `_backend.MAX_LEAVES_PER_CALL` leaves, and the calls' norms combined over each
+  group's axes (`_combine`)."""
+  by_axes: dict[frozenset, list[int]] = {}
+  for i, axes in enumerate(leaf_axes):
+    by_axes.setdefault(frozenset(axes), []).append(i)
+  step = _backend.MAX_LEAVES_PER_CALL
+  groups = [(members, leaf_axes[members[0]]) for members in by_axes.values()]
+  calls = [members[k:k + step] for members, _ in groups for k in range(0, len(members), step)]
+  return _backend.Split(calls, functools.partial(_combine, groups, step))
 
-  `shard_norms` are norms of shards of leaves sharded on `axes`; one all-reduce.
-  """
-  if not axes:
-    return jnp.frexp(shard_norms)
-  root, exponent = _decision.pick_norm(*lax.psum(_decision.scaled_squares(shard_norms), axes))
-  mantissa, shift = jnp.frexp(root)
-  return mantissa, exponent + shift
 
-
-def _norm_of_norms(roots, exps):
-  """(root, exponent) of the norm of the norms root_i * 2**exps_i."""
-  top = jnp.max(jnp.where(jnp.isfinite(roots) & (roots > 0), exps, jnp.iinfo(jnp.int32).min))
-  top = jnp.where(top == jnp.iinfo(jnp.int32).min, 0, top)
-  aligned = roots * _decision.pow2(exps - top, roots.dtype)
-  return jnp.sqrt(jnp.sum(jnp.square(aligned))), top
+def _combine(groups, step, call_norms):
+  """The whole tree's (global root, global exponent, leaf roots, leaf exponents) from the
+  norm calls' outputs (`split`), in the leaves' order."""
+  # Every call's norms = [norm of this device's shards in the call, then one per leaf],
+  # laid end to end per set of axes: one frexp or all-reduce per set, and a few slices per
+  # set, not per call or per leaf (each a kernel of its own, which XLA:CPU compiles apart:
+  # benchmarks/bench_compile.py).
+  call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
+  first = 0
+  for members, axes in groups:
+    num_calls = -(-len(members) // step)
+    roots, exps = _decision.whole_norms(jnp.concatenate(call_norms[first:first + num_calls]),
+                                        axes)
+    first += num_calls
+    for x, calls, leaves in ((roots, call_roots, leaf_roots), (exps, call_exps, leaf_exps)):
+      of_calls, of_leaves = _split_calls(x, len(members), step)
+      calls.append(of_calls)
+      leaves.append(of_leaves)
+  root, exp = _decision.norm_of_norms(jnp.concatenate(call_roots), jnp.concatenate(call_exps))
+  leaf_roots, leaf_exps = jnp.concatenate(leaf_roots), jnp.concatenate(leaf_exps)
+  order = [i for members, _ in groups for i in members]
+  if order != sorted(order):
+    inverse = np.argsort(order)
+    leaf_roots, leaf_exps = leaf_roots[inverse], leaf_exps[inverse]
+  return root, exp, leaf_roots, leaf_exps
 
 
 def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfinite: str,
@@ -75,33 +95,9 @@ def clip_shards(max_norm, shards, leaf_axes, *, impl: str, mode: str, on_nonfini
     (out_shards or None, norms f32[n + 1], flags int32[2]), as the custom call does;
     all but the shards are the same on every device.
   """
-  if norm_inputs is None:
-    norm_inputs = _trace_reads.NormInputs.as_stored(shards)
-  by_axes: dict[frozenset, list[int]] = {}
-  for i, axes in enumerate(leaf_axes):
-    by_axes.setdefault(frozenset(axes), []).append(i)
-  # Every call's norms = [norm of this device's shards in the call, then one per leaf],
-  # laid end to end per set of axes: one frexp or all-reduce per set, and a few slices per
-  # set, not per call or per leaf (each a kernel of its own, which XLA:CPU compiles apart:
-  # benchmarks/bench_compile.py).
-  step = _backend.MAX_LEAVES_PER_CALL
-  call_roots, call_exps, leaf_roots, leaf_exps = [], [], [], []
-  for members in by_axes.values():
-    norms = [_backend.norms(impl, norm_inputs.pick(members[k:k + step]), by_rows=by_rows)
-             for k in range(0, len(members), step)]
-    roots, exps = _whole_leaf_norms(jnp.concatenate(norms), leaf_axes[members[0]])
-    for x, calls, leaves in ((roots, call_roots, leaf_roots), (exps, call_exps, leaf_exps)):
-      of_calls, of_leaves = _split_calls(x, len(members), step)
-      calls.append(of_calls)
-      leaves.append(of_leaves)
-  root, exp = _norm_of_norms(jnp.concatenate(call_roots), jnp.concatenate(call_exps))
-  leaf_roots, leaf_exps = jnp.concatenate(leaf_roots), jnp.concatenate(leaf_exps)
-  order = [i for members in by_axes.values() for i in members]
-  if order != sorted(order):
-    inverse = np.argsort(order)
-    leaf_roots, leaf_exps = leaf_roots[inverse], leaf_exps[inverse]
-  return _backend.decide_and_scale(impl, max_norm, shards, root, exp, leaf_roots, leaf_exps,
-                                   mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  return _backend.clip(impl, max_norm, shards, mode=mode, on_nonfinite=on_nonfinite,
+                       scale_by=scale_by, norm_inputs=norm_inputs, by_rows=by_rows,
+                       split=split(leaf_axes))
 
 
 def _split_calls(x, num_leaves, step):

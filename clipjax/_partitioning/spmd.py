@@ -52,18 +52,16 @@ def _whole_call(impl, mode, on_nonfinite, scale_by, ranks, max_norm, leaves):
 def _whole_clip(max_norm, leaves, *, impl, mode, on_nonfinite, scale_by, norm_inputs=None):
   """The clip of whole leaves, flat. impl="ffi": one custom call, or for a tree of more than
   `_backend.MAX_LEAVES_PER_CALL` leaves, norm calls and scale calls of that many leaves each
-  with the decision between them (`per_shard.clip_shards` with no mesh axes), the norms of
+  with the decision between them (`per_shard.split` with no mesh axes), the norms of
   `norm_inputs` where given (`_trace_reads.norm_sources`). impl="jax": the pure-JAX clip by
   rows, which is partitioned here only where it finishes its sums by rows (see
   `clipjax._dispatch.run`)."""
-  kwargs = dict(mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by)
+  split = None
   if impl == "ffi" and len(leaves) > _backend.MAX_LEAVES_PER_CALL:
-    clipped = per_shard.clip_shards(max_norm, leaves, [()] * len(leaves), impl="ffi",
-                                    norm_inputs=norm_inputs, **kwargs)
-  else:
-    clipped = _backend.clip(impl, max_norm, leaves, norm_inputs=norm_inputs, by_rows=True,
-                            **kwargs)
-  return _backend.flat_outputs(*clipped)
+    split = per_shard.split([()] * len(leaves))
+  return _backend.flat_outputs(*_backend.clip(
+      impl, max_norm, leaves, mode=mode, on_nonfinite=on_nonfinite, scale_by=scale_by,
+      norm_inputs=norm_inputs, by_rows=True, split=split))
 
 
 def _sharding_rule(impl, mode, on_nonfinite, scale_by, ranks, mesh, operand_types,
