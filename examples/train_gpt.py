@@ -12,14 +12,14 @@ says where each job lives); `gpt.training.loop.train(cfg)` runs the same from Py
 
 import sys
 
-from gpt import config
+from gpt import config, flags
 from gpt.data import corpus
 
 
 def main(argv: list[str] | None = None) -> None:
   """Runs the flags' training; a bad flag, source or run directory is one error line.
   Every flag is checked before jax is imported, which takes a while."""
-  parser, cfg = config.parse_args(argv)
+  parser, cfg = flags.parse_args(argv)
   try:
     cfg = config.check(cfg)
   except (config.ConfigError, corpus.SourceError) as e:

@@ -1,6 +1,7 @@
 """The GPT example as a package: the settings and the model here, the rest by concern.
 
-  config.py   every setting, the presets and recipes, the flags
+  config.py   every setting, the presets and recipes, their checks
+  flags.py    the command line: a flag for each setting
   model.py    the GPT and its three sizes
   data/       the sources, the tokenizer, the bandit, the batches
   training/   the training loop: the step, checkpoints, the run directory, processes, mesh

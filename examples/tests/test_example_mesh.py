@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt import config
+from gpt import config, flags
 from gpt.reports import metrics
 from gpt.training import loop, sharding, train_step
 from examples.tests.conftest import devices_here, run_file_on_cpu_devices
@@ -101,7 +101,7 @@ def test_leaf_spec():
 def test_mesh_flag_errors(tiny, tmp_path):
   with pytest.raises(sharding.MeshError, match="visible device"):
     loop.train(_cfg(tiny, tmp_path, mesh=f"data={jax.device_count() + 1}"))
-  assert config.parse_args(["--mesh", "data=1,fsdp=1"])[1].mesh == "data=1,fsdp=1"
+  assert flags.parse_args(["--mesh", "data=1,fsdp=1"])[1].mesh == "data=1,fsdp=1"
 
 
 @pytest.fixture(scope="module")

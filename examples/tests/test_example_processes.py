@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt import config
+from gpt import config, flags
 from gpt.reports import metrics
 from gpt.training import distributed
 from examples.tests.conftest import EXAMPLES
@@ -118,7 +118,7 @@ def test_bad_launch_settings_are_named(monkeypatch, env, kwargs, message):
 
 
 def test_the_launch_flags():
-  cfg = config.parse_args(["--coordinator", "host:1234", "--num-processes", "2",
+  cfg = flags.parse_args(["--coordinator", "host:1234", "--num-processes", "2",
                            "--process-id", "1", "--heartbeat-timeout-s", "30"])[1]
   assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout_s) == (
       "host:1234", 2, 1, 30)

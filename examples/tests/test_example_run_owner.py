@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from gpt import config
+from gpt import config, flags
 from gpt.training import loop
 from gpt.reports import metrics
 from gpt.training import run_dir as run_dir_lib
@@ -225,14 +225,14 @@ def test_a_resumes_flags_outside_the_step_apply_to_it(tmp_path, capsys):
                              log_every=1, num_samples=0, seed=3, sources=("gutenberg=a",),
                              time_limit_s=60.0, stop_after_step=3, out_dir=str(tmp_path))
   (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(saved)))
-  resumed = config.parse_args(["--resume", "--out-dir", str(tmp_path), "--log-every", "10",
+  resumed = flags.parse_args(["--resume", "--out-dir", str(tmp_path), "--log-every", "10",
                                "--num-samples", "2", "--bandit-eta", "2"])[1]
   assert resumed == dataclasses.replace(
       saved, resume=True, log_every=10, num_samples=2, time_limit_s=None,
       stop_after_step=None, bandit_config=dataclasses.replace(saved.bandit_config, eta=2.0))
   (tmp_path / "config.json").write_text("{")
   with pytest.raises(SystemExit):
-    config.parse_args(["--resume", "--out-dir", str(tmp_path)])
+    flags.parse_args(["--resume", "--out-dir", str(tmp_path)])
   assert f"error: --resume: cannot read the run's settings from {tmp_path}/config.json (" \
       in capsys.readouterr().err
 

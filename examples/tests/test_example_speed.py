@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gpt import config, model as model_lib
+from gpt import config, flags, model as model_lib
 from gpt.reports import throughput
 from gpt.training import loop
 
@@ -238,7 +238,7 @@ def test_cudnn_attention_where_it_cannot_run_is_refused(platform, dtype):
 ])
 def test_bad_speed_flags_are_named(argv, message):
   with pytest.raises((config.ConfigError, SystemExit)) as e:
-    config.resolve(config.parse_args(argv)[1])
+    config.resolve(flags.parse_args(argv)[1])
   if e.type is config.ConfigError:
     assert message in str(e.value)
 

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from gpt import config
+from gpt import config, flags
 from gpt.data import corpus
 import train_gpt
 
@@ -23,15 +23,15 @@ import train_gpt
     ("-1", "--max-norm must be >= 0, got -1.0"), ("-1e-9", "--max-norm must be >= 0, got -1e-09"),
     ("-inf", "--max-norm must be a finite number, got -inf")])
 def test_a_negative_max_norm_is_refused_at_parse_time(value, message):
-  cfg = config.parse_args([f"--max-norm={value}"])[1]
+  cfg = flags.parse_args([f"--max-norm={value}"])[1]
   with pytest.raises(config.ConfigError, match=f"^{message}$"):
     config.check(cfg)
 
 
 def test_max_norm_0_turns_clipping_off_and_the_help_says_so(capsys):
-  assert config.check(config.parse_args(["--max-norm", "0"])[1]).max_norm == 0.0
+  assert config.check(flags.parse_args(["--max-norm", "0"])[1]).max_norm == 0.0
   with pytest.raises(SystemExit):
-    config.parse_args(["--help"])
+    flags.parse_args(["--help"])
   assert "0 turns clipping off" in " ".join(capsys.readouterr().out.split())
 
 
