@@ -142,8 +142,8 @@ def _over(old, new):
   """`new`, as a value written over `old`. Every field of the state is read, so none drops
   out of the caller's jit as unused: each donated field pairs with its own output, the
   state keeps its buffers from step to step, and XLA copies nothing and finds every address
-  of its command buffers (CUDA graphs) unchanged, with no update. Left out, the write-only
-  fields (the norms, `clipped`) got new buffers each step and made XLA re-record the whole
+  of its command buffers (CUDA graphs) unchanged, with no update. Without it, the write-only
+  fields (the norms, `clipped`) get new buffers each step and XLA re-records the whole
   step's graph, a cost of the host's on every step (benchmarks/bench_dispatch.py times the
   host's share of a call by the state it rewrites)."""
   return jnp.where(True, new, old)

@@ -146,12 +146,11 @@ def sharded_clip_tree(tree, max_norm, *, mesh=None, specs=None, impl: str = "aut
   """
   options = dict(impl=impl, mode=mode, on_nonfinite=on_nonfinite, scale=scale)
   paths, leaves, treedef = _tree.flatten(tree)
+  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   if leaves and not any(isinstance(x, jax.core.Tracer) for x in [max_norm, *leaves]):
-    _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
     mesh, leaf_specs, _ = _specs.mesh_and_specs(mesh, specs, tree, paths, leaves)
     return _sharded_clip_jitted(tree, max_norm, mesh=mesh, treedef=treedef,
                                 leaf_specs=tuple(leaf_specs), **options)
-  _options.check_options(max_norm, impl, mode, on_nonfinite, scale)
   return _dispatch.clip(tree, max_norm, feeds_consumer=False, held="mesh", mesh=mesh,
                         specs=specs, **options)
 

@@ -232,7 +232,7 @@ def scale_all(scale, shift, keep, zero_fill, leaves):
   columns = jnp.broadcast_arrays(*factors, zero_fill.astype(scale.dtype))
   # The barrier makes XLA compute the rows once, in a kernel of their own, rather than copy
   # their arithmetic into every consumer's fusion. One array, not four: with the four
-  # values as four arrays, XLA fused no two of AdamW's per-leaf updates (the kernels of
+  # values as four arrays, XLA fuses no two of AdamW's per-leaf updates (the kernels of
   # examples/benchmark.py --kernels show it).
   rows = lax.optimization_barrier(jnp.stack(columns, axis=-1).reshape(-1, 4))
   return scale_by_rows(rows, leaves, per_leaf=per_leaf)
