@@ -34,7 +34,6 @@ One H200, about 5 minutes (the default corpus's tokenizer is trained first if
 import argparse
 import glob
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -185,8 +184,12 @@ def loop_against_step(args) -> dict:
     for r in range(args.rounds):
       for name in (("loop", "step") if r % 2 == 0 else ("step", "loop")):
         times[name].append(rounds[name]())
-  finally:
+  except BaseException:
     loop.finish(run)
+    run.loop.run_dir.close(failed=True)
+    raise
+  loop.finish(run)
+  run.loop.run_dir.close()
   rates = {name: tokens_per_s(cfg, args.round_steps, t) for name, t in times.items()}
   return {"config": cfg.config, "batch_size": cfg.batch_size,
           "context_length": cfg.context_length, "dtype": cfg.dtype,
@@ -301,9 +304,7 @@ def write(out_dir: str, results: dict, markdown: str, complete: bool) -> None:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  command = shlex.join(["python", "examples/experiments/bench_speed.py",
-                        *(sys.argv[1:] if argv is None else argv)])
-  results = {"meta": record.run_metadata(args, command),
+  results = {"meta": record.run_metadata(args, exp_common.command("bench_speed.py", argv)),
              "flops_formula": "6 N + 12 * layers * d_model * context (throughput.py)",
              "peak_flops_per_s": throughput.peak_flops(jax.devices())}
   if not args.skip_loop:

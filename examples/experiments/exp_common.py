@@ -127,12 +127,12 @@ def final_loss(loss_S: np.ndarray, last: int = 10) -> float | None:
 
 def read_run(run_dir: str) -> dict | None:
   """The records, settings, summary and environment a finished run left, or None."""
-  names = ("metrics.jsonl", "config.json", "summary.json", "environment.json")
+  names = ("metrics.jsonl", config.CONFIG_FILE, "summary.json", "environment.json")
   paths = {name: os.path.join(run_dir, name) for name in names}
   if not all(os.path.exists(p) for p in paths.values()):
     return None
   run = {"records": metrics.read_records(paths["metrics.jsonl"])}
-  for key, name in (("config", "config.json"), ("summary", "summary.json"),
+  for key, name in (("config", config.CONFIG_FILE), ("summary", "summary.json"),
                     ("environment", "environment.json")):
     with open(paths[name]) as f:
       run[key] = json.load(f)
@@ -161,12 +161,17 @@ def smooth(values: np.ndarray, width: int) -> np.ndarray:
     return np.where(window_counts > 0, window_sums / window_counts, np.nan)
 
 
+def command(script: str, argv: list[str] | None) -> str:
+  """The command line that ran `script` with `argv` (default: this process's arguments)."""
+  args = sys.argv[1:] if argv is None else argv
+  return shlex.join(["python", f"examples/experiments/{script}", *args])
+
+
 def environment(script: str, argv: list[str] | None) -> dict:
   """What made the results: the command, versions and the device."""
   device = jax.devices()[0]
-  args = sys.argv[1:] if argv is None else argv
   return {
-      "command": shlex.join(["python", f"examples/experiments/{script}", *args]),
+      "command": command(script, argv),
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       "jax": jax.__version__, "platform": device.platform,
       "device": getattr(device, "device_kind", str(device)), "python": platform.python_version(),

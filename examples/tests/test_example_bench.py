@@ -27,6 +27,7 @@ def test_the_benchmark_times_the_loop_against_its_step_and_the_variants(tmp_path
   # The loop's rounds trained the example: 1 warm-up and 2 rounds of 4 steps, logged.
   records = metrics.read_records(str(out / "loop-run" / "metrics.jsonl"))
   assert [r["step"] for r in metrics.step_records(records)] == list(range(1, 13))
+  assert not (out / "loop-run" / ".lock").exists()  # the run directory is released
   rows = {row["variant"]: row for row in results["variants"]}
   assert "cuDNN" in rows["attention=cudnn"]["skipped"]  # not on a CPU
   for name in ("remat=none", "dtype=float32,remat=dots"):

@@ -14,7 +14,8 @@
   report         summary.json, report.png and samples.txt, once the last step is done
 
 `start` and `finish` are the parts before and after the steps, for callers that run the
-steps themselves (experiments/bench_speed.py).
+steps themselves (experiments/bench_speed.py); such a caller then releases the run
+directory with `run.loop.run_dir.close()`.
 """
 
 import dataclasses
@@ -72,9 +73,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                           run.data.tokenizer, run.data.prompts, run.loop.started, stopped_at,
                           run.loop.flops_per_token, run.loop.peak_flops)
     else:
-      status.say(f"--stop-after-step {cfg.stop_after_step}: stopped after step "
-                 f"{run.loop.last_step} of {cfg.steps}, saved in "
-                 f"{run.loop.checkpoints.directory}; --resume continues the run")
+      status.say(steps.saved_and_stopped(f"--stop-after-step {cfg.stop_after_step}",
+                                         run.loop.last_step, run.loop))
   except BaseException:
     run.loop.run_dir.close(failed=True)  # no checkpoint yet: the run it replaced stays
     raise
@@ -145,7 +145,8 @@ def _start_in_dir(cfg, run_dir, started, mesh, data, graphdef, params, opt_state
 
 
 def finish(run: Run) -> None:
-  """Stops the batch thread and closes the checkpoints, the log and the progress bar."""
+  """Stops the batch thread and closes the checkpoints, the log and the progress bar; the
+  run directory stays locked until `run.loop.run_dir.close()`."""
   run.loop.prefetcher.close()
   run.loop.checkpoints.close()
   run.loop.log.close()

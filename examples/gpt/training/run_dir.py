@@ -20,10 +20,10 @@ import shutil
 import socket
 from typing import Callable
 
-from ..config import ConfigError
+from ..config import CONFIG_FILE, ConfigError
 
 # What a run writes into its directory; an earlier run is recognised by any of them.
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "samples.txt", "report.png",
+RUN_FILES = ("metrics.jsonl", CONFIG_FILE, "summary.json", "samples.txt", "report.png",
              "checkpoints", "checkpoints-unusable")
 ASIDE = ".replaced-run"  # the earlier run, while an --overwrite has no checkpoint yet
 LOCK = ".lock"  # flock-ed by the live run's writing process; holds its host and pid

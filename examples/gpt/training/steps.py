@@ -88,9 +88,10 @@ def run_steps(loop: Loop, state: State, until: int | None = None) -> int | None:
   """Steps step_done + 1 .. `until` (default: the run's last step), every metric fetched
   at the end; returns the step after which --time-limit-s stopped the run, or None."""
   cfg, first = loop.cfg, state.step_done + 1
+  phase_bounds = loop.phase_starts + [cfg.steps + 1]
   for step in range(first, (until or loop.last_step) + 1):
     phase = bisect.bisect_right(loop.phase_starts, step) - 1
-    phase_end = (loop.phase_starts + [cfg.steps + 1])[phase + 1] - 1
+    phase_end = phase_bounds[phase + 1] - 1
     if step == loop.phase_starts[phase]:
       fetch_metrics(loop, state)
       start_phase(loop, state, step, phase, phase_end)
@@ -122,14 +123,19 @@ def run_steps(loop: Loop, state: State, until: int | None = None) -> int | None:
                       f"it replaced is back in {cfg.out_dir}")
       save_checkpoint(loop, state)
     if stop:
-      raise Stopped(f"{distributed.stop_cause()}: stopped after step {step} of {cfg.steps}, "
-                    f"saved in {loop.checkpoints.directory}; --resume continues the run")
+      raise Stopped(saved_and_stopped(distributed.stop_cause(), step, loop))
     if out_of_time and step < loop.last_step:
       loop.say(f"--time-limit-s {cfg.time_limit_s:g} reached: stopping after step {step} "
                f"of {cfg.steps}")
       return step
   fetch_metrics(loop, state)
   return None
+
+
+def saved_and_stopped(cause: str, step: int, loop: Loop) -> str:
+  """The line that ends a run stopped by `cause` after `step`, its checkpoint saved."""
+  return (f"{cause}: stopped after step {step} of {loop.cfg.steps}, saved in "
+          f"{loop.checkpoints.directory}; --resume continues the run")
 
 
 def time_is_up(loop: Loop, step: int) -> bool:
