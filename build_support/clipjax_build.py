@@ -2,7 +2,7 @@
 what the wheel says it holds.
 
 One decision, used by every step of a build:
-- the build backend (build_support/clipjax_backend.py) asks `wheel_requirements` which
+- the build backend (build_support/clipjax_backend.py) asks `compiler_requirements` which
   packages to install before it builds: NVIDIA's compiler from PyPI when the machine has
   none (or, where pip cannot reach an index for it, stops with one line saying what to do);
 - the wheel's build tag (`build_tag`) names the variant, so that pip prefers a CUDA build

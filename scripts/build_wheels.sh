@@ -50,6 +50,10 @@ cuobjdump=$(command -v cuobjdump || ls "$WORK"/tools/lib/python3*/site-packages/
 # NVIDIA's compiler from PyPI, where the machine has none.
 compiler=$("$WORK/tools/bin/python" build_support/clipjax_build.py requirements)
 [[ -z "$compiler" ]] || "$WORK/tools/bin/pip" install -q $compiler
+# Every build below takes this compiler (CUDA 12's kernels name their own): no wheel's
+# isolated build fetches one again, and its variant is that of the kernels it links.
+nvcc=$("$WORK/tools/bin/python" build_support/clipjax_build.py cuda-compiler)
+[[ -z "$nvcc" ]] || export CUDACXX=$nvcc
 export CXX=$PWD/build_support/zig-c++
 export CLIPJAX_ZIG_TARGET=$ARCH-linux-gnu.$GLIBC
 CLIPJAX_ZIG=$("$WORK/tools/bin/python" -c "import ziglang, os; print(os.path.join(os.path.dirname(ziglang.__file__), 'zig'))")
