@@ -75,9 +75,12 @@ def load_records(results_dir=RESULTS):
 
 
 def cell(value):
-  """A table cell: None as a dash, large counts with thousands separators."""
+  """A table cell: None as a dash, large counts with thousands separators, a list as its
+  cells."""
   if value is None:
     return "-"
+  if isinstance(value, list):
+    return ", ".join(cell(v) for v in value)
   if isinstance(value, bool):
     return str(value).lower()
   if isinstance(value, int):

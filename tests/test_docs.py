@@ -145,6 +145,7 @@ def test_cells_are_written_as_a_reader_expects():
   assert [make_results.cell(v) for v in (None, 615842, 9999, 0.0369, 1.58e-7, "x", True)] == [
       "-", "615,842", "9999", "0.0369", "1.58e-07", "x", "true"]
   assert make_results.markdown_table(["a", "b"], [[1, None]]) == "| a | b |\n|---|---|\n| 1 | - |"
+  assert make_results.cell([1.5, 20000]) == "1.5, 20,000"  # a benchmark's list of rounds
 
 
 def test_the_pages_include_only_generated_tables_and_figures_that_exist(tmp_path):
