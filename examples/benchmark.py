@@ -183,8 +183,10 @@ def make_model(name, context_length, dtype):
 
 
 def make_step(graphdef, tx):
-  """step(params, opt_state, tokens_BxL1) -> (params, opt_state): the example's loss, its
-  gradients, the optimizer; the state donated."""
+  """step(params, opt_state, tokens_BxL1) -> (params, opt_state): the GPT's mean
+  next-token cross-entropy over its full logits (the step that the torch baseline mirrors
+  leaf for leaf; the example's own step pads the vocabulary, gpt/training/train_step.py),
+  its gradients, the optimizer; the state donated."""
   def loss_fn(params, tokens_BxL1):
     logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL1[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV,
